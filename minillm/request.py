@@ -105,17 +105,26 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_token_ids.append(token_id)
-        p = self.params
-        if (not p.ignore_eos and token_id in eos_ids) or token_id in p.stop_token_ids:
-            self.finish(FinishReason.STOP, now)
-        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
-            self.finish(FinishReason.LENGTH, now)
+        reason = stop_reason(self.params, token_id, len(self.output_token_ids), self.num_tokens,
+                             eos_ids, max_model_len)
+        if reason is not None:
+            self.finish(reason, now)
         return self.finished
 
     def finish(self, reason: FinishReason, now: float | None = None, error: str | None = None):
         self.finish_reason = reason
         self.error = error
         self.finish_time = now if now is not None else time.perf_counter()
+
+
+def stop_reason(params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int,
+                eos_ids: set[int], max_model_len: int) -> FinishReason | None:
+    """Why a sequence that just produced ``token_id`` must stop, or None to go on."""
+    if (not params.ignore_eos and token_id in eos_ids) or token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
 
 
 @dataclass

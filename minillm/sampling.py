@@ -11,29 +11,36 @@ import random
 
 import torch
 
-from .request import Request
+from .request import Request, SamplingParams
 
 
 def sample_next_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """``logits[i]`` is the next-token distribution of ``requests[i]``; return one token each."""
-    logits = logits.float()
+    return sample_tokens(logits, [r.params for r in requests],
+                         [len(r.output_token_ids) for r in requests])
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
+                  sample_ids: list[int] | None = None) -> list[int]:
+    """Row i: output token number ``indices[i]`` of sample ``sample_ids[i]`` (n > 1), drawn with
+    ``params[i]``. Greedy rows are one batched argmax; sampled rows are drawn one by one."""
     greedy = logits.argmax(dim=-1).tolist()
     out = []
-    for i, req in enumerate(requests):
-        p = req.params
+    for i, p in enumerate(params):
         if p.greedy:
             out.append(greedy[i])
         else:
-            out.append(sample_one(logits[i], p.temperature, p.top_k, p.top_p,
-                                  draw_uniform(p.seed, len(req.output_token_ids))))
+            u = draw_uniform(p.seed, indices[i], sample_ids[i] if sample_ids else 0)
+            out.append(sample_one(logits[i].float(), p.temperature, p.top_k, p.top_p, u))
     return out
 
 
-def draw_uniform(seed: int | None, index: int) -> float:
-    """The uniform number that picks output token ``index``. Unseeded requests use fresh entropy."""
+def draw_uniform(seed: int | None, index: int, sample_id: int = 0) -> float:
+    """The uniform number that picks output token ``index`` of sample ``sample_id``.
+    Unseeded requests use fresh entropy."""
     if seed is None:
         return random.random()
-    return random.Random(f"{seed}:{index}").random()
+    return random.Random(f"{seed}:{sample_id}:{index}").random()
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):

@@ -1,0 +1,228 @@
+"""The block manager: KV memory as fixed-size blocks, handed out on demand (notebook 03).
+
+A sequence's KV lives in blocks of ``block_size`` token slots listed by its ``block_table``; a new
+block is taken only when the last one is full, so at most ``block_size - 1`` slots per sequence are
+ever wasted, and a finished sequence's blocks go back to the pool at once.
+
+Blocks are shared, never copied, when contents are the same:
+
+* ``fork`` (parallel sampling, beam search): the child lists the parent's blocks; each block's
+  ``ref_count`` says how many sequences use it. Writing into a shared block first copies it
+  (copy-on-write): ``append_slots`` returns the (src, dst) pairs the engine must copy.
+* prefix caching: a full block is identified by a chained hash of (parent block's hash, its token
+  ids), so equal hashes mean equal *prefixes*, not just equal blocks. A new sequence whose prompt
+  starts with cached blocks reuses them and skips their computation. A freed block keeps its
+  contents and hash until it is needed for something else; the free queue hands out the least
+  recently freed block first (LRU eviction).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...memory import CACHED, FREE, RESERVED, TOKEN, MemorySnapshot
+from .sequence import Sequence
+
+BlockKey = tuple  # (parent hash, token ids of the block): the content a hash stands for
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None        # set once the block is full and its K/V computed
+    key: BlockKey | None = None    # kept to guard against hash collisions
+
+
+@dataclass
+class BlockStats:
+    num_blocks: int
+    free: int             # blocks no sequence holds (cached ones included)
+    used: int             # blocks some sequence holds
+    cached: int           # free blocks whose contents are still reusable
+    shared: int           # used blocks held by more than one sequence
+    token_slots: int      # slots holding a token (a shared block's tokens counted once)
+    allocated_slots: int  # used * block_size
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool must hold at least one block, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front = least recently freed). An OrderedDict gives O(1)
+        # removal from the middle, needed when a prefix-cache hit revives a free block.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}    # hash -> block id
+        self.prefix_hits = 0                # tokens served from the prefix cache
+
+    # --- the pool -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def _take_free(self) -> int:
+        if not self.free_queue:
+            raise NoFreeBlocksError("KV pool exhausted")
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:          # evict: its cached contents are about to be replaced
+            if self.cached.get(block.hash) == bid:
+                del self.cached[block.hash]
+            block.hash = block.key = None
+        block.ref_count = 1
+        return bid
+
+    def _release(self, bid: int) -> None:
+        block = self.blocks[bid]
+        assert block.ref_count > 0, f"block {bid} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[bid] = None     # most recently freed: evicted last
+
+    # --- sequences ----------------------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks ``append_slots`` would take (a copy-on-write counts as one)."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        need = max(0, total - len(seq.block_table))
+        if self._needs_cow(seq, num_new_tokens):
+            need += 1
+        return need
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def _needs_cow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if num_new_tokens == 0 or seq.num_computed_tokens % self.block_size == 0:
+            return False
+        last = seq.block_table[seq.num_computed_tokens // self.block_size]
+        return self.blocks[last].ref_count > 1
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for the next ``num_new_tokens`` K/V rows; return copy-on-write (src, dst)."""
+        if not self.can_append(seq, num_new_tokens):
+            raise NoFreeBlocksError(f"need {self.blocks_needed(seq, num_new_tokens)} blocks, "
+                                    f"{self.num_free_blocks} free")
+        copies = []
+        if self._needs_cow(seq, num_new_tokens):
+            idx = seq.num_computed_tokens // self.block_size
+            src, dst = seq.block_table[idx], self._take_free()
+            self._release(src)
+            seq.block_table[idx] = dst
+            copies.append((src, dst))
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        while len(seq.block_table) < total:
+            seq.block_table.append(self._take_free())
+        return copies
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def fork(self, parent: Sequence) -> Sequence:
+        child = parent.fork()
+        for bid in child.block_table:
+            self.blocks[bid].ref_count += 1
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        # Tail first: the prompt's prefix blocks then sit at the back of the free queue and are
+        # evicted last, since they are the likeliest to be reused.
+        for bid in reversed(seq.block_table):
+            self._release(bid)
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    # --- prefix caching -------------------------------------------------------------------------
+    def _keys(self, token_ids: list[int], num_blocks: int):
+        """(hash, key) of each of the first ``num_blocks`` full blocks, chained."""
+        parent = None
+        for i in range(num_blocks):
+            key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            parent = hash(key)
+            yield parent, key
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence with no blocks yet, adopt the cached blocks its tokens start with.
+
+        The last token is never taken from the cache: the model must run at least one token to
+        produce logits for the next one. Returns the number of tokens that hit the cache.
+        """
+        assert not seq.block_table, "prefix lookup is only for a sequence's first allocation"
+        if not self.enable_prefix_caching:
+            return 0
+        for h, key in self._keys(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].key != key:   # miss, or a hash collision
+                break
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        hit = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        self.prefix_hits += hit
+        return hit
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block the sequence has completely computed (called after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i, (h, key) in enumerate(self._keys(seq.token_ids, full)):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.key = h, key
+                self.cached[h] = block.block_id
+
+    # --- reporting ------------------------------------------------------------------------------
+    def stats(self, seqs: list[Sequence]) -> BlockStats:
+        fill = self._fill(seqs)
+        used = [b for b in self.blocks if b.ref_count > 0]
+        return BlockStats(
+            num_blocks=self.num_blocks, free=self.num_free_blocks, used=len(used),
+            cached=sum(1 for b in self.blocks if b.ref_count == 0 and b.hash is not None),
+            shared=sum(1 for b in used if b.ref_count > 1), token_slots=int(sum(fill.values())),
+            allocated_slots=len(used) * self.block_size)
+
+    def _fill(self, seqs: list[Sequence]) -> dict[int, int]:
+        """Slots holding a computed token, per used block (shared blocks counted once)."""
+        fill: dict[int, int] = {}
+        for s in seqs:
+            for i, bid in enumerate(s.block_table):
+                n = min(self.block_size, max(0, s.num_computed_tokens - i * self.block_size))
+                fill[bid] = max(fill.get(bid, 0), n)
+        return fill
+
+    def snapshot(self, seqs: list[Sequence], engine: str, step: int, bytes_per_slot: int) -> MemorySnapshot:
+        """The pool as a grid: one row per physical block, one column per slot."""
+        kind = np.full((self.num_blocks, self.block_size), FREE, dtype=np.int8)
+        owner = np.full((self.num_blocks, self.block_size), -1, dtype=np.int32)
+        owners: list[str] = []
+        fill = self._fill(seqs)
+        for b in self.blocks:
+            if b.ref_count == 0 and b.hash is not None:
+                kind[b.block_id] = CACHED
+        for s in seqs:
+            rid = s.request.request_id
+            if rid not in owners:
+                owners.append(rid)
+            for bid in s.block_table:
+                if owner[bid, 0] == -1:    # first holder is drawn as the owner of a shared block
+                    owner[bid] = owners.index(rid)
+                    kind[bid] = RESERVED
+                    kind[bid, :fill.get(bid, 0)] = TOKEN
+        ref = np.array([b.ref_count for b in self.blocks])
+        return MemorySnapshot(engine, step, kind, owner, owners, bytes_per_slot, "block", ref,
+                              extra={"block_tables": {s.seq_id: list(s.block_table) for s in seqs},
+                                     "cached_blocks": int((kind[:, 0] == CACHED).sum())})

@@ -1,0 +1,109 @@
+"""minillm's own forward pass for the Llama family (and Qwen2, which adds q/k/v biases).
+
+Why not keep calling the Hugging Face module as steps 0-2 do? Its attention expects each
+sequence's KV as one contiguous tensor. A paged engine needs attention that reads K/V through a
+block table, and a batch that is one flat list of tokens from many sequences (some decoding one
+token, some prefilling a chunk). So we read HF's weights and write the forward ourselves — in
+~100 lines, as nano-vllm and gpt-fast do. (Notebook 03_block_manager.)
+
+Shapes: a step's tokens are flat, ``[T]``; hidden states are ``[T, hidden]``. Two HF matmuls are
+fused for speed (q/k/v into one, gate/up into one): same math, fewer passes over the activations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor             # [(H + 2*KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor         # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class PagedLlama:
+    """A functional Llama/Qwen2 decoder that reads K/V from paged pools."""
+
+    def __init__(self, hf_model: torch.nn.Module):
+        c = hf_model.config
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        self.embed = sd["model.embed_tokens.weight"]
+        self.lm_head = hf_model.get_output_embeddings().weight.detach()  # tied or not
+        self.final_norm = sd["model.norm.weight"]
+        self.layers = [self._layer(sd, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
+        self.cos, self.sin = self._rope_tables(hf_model, c.max_position_embeddings)
+
+    @staticmethod
+    def _layer(sd: dict, p: str) -> LayerWeights:
+        a = p + "self_attn."
+        bias = [sd.get(a + n + "_proj.bias") for n in "qkv"]
+        return LayerWeights(
+            input_norm=sd[p + "input_layernorm.weight"],
+            qkv=torch.cat([sd[a + n + "_proj.weight"] for n in "qkv"]),
+            qkv_bias=torch.cat(bias) if bias[0] is not None else None,
+            o=sd[a + "o_proj.weight"],
+            post_norm=sd[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+            down=sd[p + "mlp.down_proj.weight"])
+
+    @staticmethod
+    def _rope_tables(hf_model, max_len: int):
+        """cos/sin for every position, from HF's own rotary module so theta and any RoPE scaling
+        (llama3, linear, dynamic...) match the reference exactly."""
+        rotary = hf_model.model.rotary_emb
+        pos = torch.arange(max_len, device=rotary.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, rotary.inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        dtype = hf_model.model.embed_tokens.weight.dtype
+        scaling = getattr(rotary, "attention_scaling", 1.0)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # computed in fp32 like HF, then cast back
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate each head's halves by the position's angle (x: [T, heads, D], cos/sin: [T, D])."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[:, None] + rotated * sin[:, None]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = self.rms_norm(h, w.input_norm)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+            q = self.rope(q.view(-1, H, D), cos, sin)
+            k = self.rope(k.view(-1, KVH, D), cos, sin)
+            attn = paged_attention(backend, q, k, v.view(-1, KVH, D), k_cache, v_cache, meta,
+                                   self.scale)
+            h = h + F.linear(attn.reshape(-1, H * D), w.o)
+            x = self.rms_norm(h, w.post_norm)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down)
+        return self.rms_norm(h, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only the rows that need a next token are projected: the vocab matmul is expensive."""
+        return F.linear(hidden, self.lm_head).float()

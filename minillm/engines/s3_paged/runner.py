@@ -1,0 +1,91 @@
+"""``ModelRunner``: owns the KV pools and turns a scheduled step into one forward pass.
+
+For each scheduled ``(sequence, num_new_tokens)`` it lays out the step's tokens flat (decodes
+first, then prefill chunks) and builds what attention needs: ``positions``, the ``slot_mapping``
+(where each new token's K/V go) and the block tables. Notebook 03 prints these for a small batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...models import LoadedModel
+from .attention import AttentionMetadata
+from .model import PagedLlama
+from .sequence import Sequence
+
+
+def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
+                        device=device).reshape(len(tables), width)
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, backend):
+        self.device = model.device
+        self.net = PagedLlama(model.hf_model)
+        self.block_size = block_size
+        self.backend = backend
+        shape = (num_blocks, block_size, self.net.num_kv_heads, self.net.head_dim)
+        # One K pool and one V pool per layer; a block id means the same rows in all of them.
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
+                           torch.zeros(shape, dtype=model.dtype, device=self.device))
+                          for _ in range(model.config.num_hidden_layers)]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give a sequence its own copy of a block it shared before writing."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst], v[dst] = k[src], v[src]
+
+    def slot_mapping(self, seq: Sequence, start: int, n: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """Flatten a step into model inputs. Returns (input_ids, positions, meta, order, last)
+        where ``order`` is the scheduled list in token order and ``last[i]`` is the flat index
+        of ``order[i]``'s last token this step."""
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        order = decodes + prefills
+        ids, pos, slots, last = [], [], [], []
+        for seq, n in order:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            slots += self.slot_mapping(seq, start, n)
+            last.append(len(ids) - 1)
+        dev = self.device
+        q_lens = [n for _, n in prefills]
+        ctx_lens = [s.num_computed_tokens + n for s, n in prefills]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode=len(decodes),
+            decode_block_tables=pad_tables([s.block_table for s, _ in decodes], dev),
+            decode_context_lens=torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes],
+                                             dtype=torch.int32, device=dev),
+            prefill_block_tables=pad_tables([s.block_table for s, _ in prefills], dev),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            prefill_q_lens=q_lens, prefill_ctx_lens=ctx_lens)
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), meta, order, last)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward; returns the sequences that reached their newest token and their logits."""
+        ids, pos, meta, order, last = self.prepare(scheduled)
+        hidden = self.net.forward(ids, pos, meta, self.kv_caches, self.backend)
+        want = [(seq, i) for (seq, n), i in zip(order, last)
+                if seq.num_computed_tokens + n == seq.num_tokens]
+        if not want:   # only middle chunks of long prompts: no next token yet
+            return [], hidden.new_empty((0, self.net.lm_head.shape[0]))
+        idx = torch.tensor([i for _, i in want], device=self.device)
+        return [s for s, _ in want], self.net.logits(hidden[idx])
