@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
-import torch  # noqa: E402
+import torch  # does not import triton
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():                 # before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402

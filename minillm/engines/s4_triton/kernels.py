@@ -216,7 +216,7 @@ def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, ct
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale    # [BLOCK_M, BLOCK_N]
         # Key 0 is visible to every row (padding rows past q_len included, their pos_q >= 0), so
         # no row is ever fully masked and m stays finite after the first tile: no NaNs.
-        s = tl.where((pos_k[None, :] < pos_q[:, None] + 2) & k_ok[None, :], s, float("-inf"))
+        s = tl.where((pos_k[None, :] <= pos_q[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -338,6 +338,6 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         *_cache_strides(k_cache, v_cache), GROUP=H // num_kv_heads, BLOCK_SIZE=block_size,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        # fp32 inputs: tl.dot would silently use TF32 (10-bit mantissa) on NVIDIA GPUs
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        # fp32 inputs: by default tl.dot would use TF32 (10-bit mantissa) on NVIDIA GPUs
+        PRECISION="ieee" if q.dtype == torch.float32 else None)
     return out

@@ -1,0 +1,230 @@
+"""The side-by-side benchmark: every engine on the same workload, in one process, one table.
+
+    python -m minillm bench --quick                       # what `make bench` runs
+    python -m minillm bench --engines static,paged --requests 200 --rate 4
+
+Besides the main table it runs the step-3 experiments (``--experiments``): prefix caching with a
+shared system prompt, n = 4 parallel sampling vs four independent requests, and how many requests
+fit one KV budget paged vs. reserving a maximum length per request. Results go to JSON and to
+figures under ``figures/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .metrics import RunMetrics
+
+ALL_ENGINES = ("naive-nocache", "naive", "static", "dynamic", "paged", "hf-static",
+               "hf-generate-batch")
+DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
+EXPERIMENTS = ("prefix", "parallel", "capacity")
+FIGURES = Path(__file__).resolve().parent.parent / "figures"
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help=f"comma-separated, from: {', '.join(ALL_ENGINES)}")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--requests", type=int, default=None, help="workload size (default 200, quick 64)")
+    p.add_argument("--naive-requests", type=int, default=None,
+                   help="naive engines serve one request at a time: run them on the first N "
+                        "requests only (default 8, quick 6)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at t=0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smaller workload (~10 min on a 2-core CPU)")
+    p.add_argument("--experiments", default=",".join(EXPERIMENTS),
+                   help=f"step-3 experiments to run after the table ({', '.join(EXPERIMENTS)}, or none)")
+    p.add_argument("--json", default=None, help="write results here (default figures/bench.json)")
+    p.add_argument("--no-figure", action="store_true")
+
+
+# --- running one engine ---------------------------------------------------------------------------
+def run_engine(model, name: str, items, options: dict, progress: bool = True):
+    """Serve a workload with engine ``name`` (ours or an HF peer) and return its RunResult."""
+    from .llm import LLM
+    from .workload import to_requests
+
+    if name in ("hf-static", "hf-generate-batch"):
+        from . import peers
+        encoder = LLM(model, engine="naive")       # only used to turn prompts into token ids
+        reqs = to_requests(encoder, items)
+        if name == "hf-static":
+            return peers.run_hf_static(model, reqs, batch_size=options.get("batch_size", 32),
+                                       progress=progress)
+        return peers.run_hf_generate_batch(model, reqs, progress=progress)
+    opts = {k: v for k, v in options.items() if k in ENGINE_OPTIONS.get(name, ())}
+    llm = LLM(model, engine=name, **opts)
+    return llm.run(to_requests(llm, items), progress=progress)
+
+
+ENGINE_OPTIONS = {
+    "static": ("batch_size",),
+    "dynamic": ("max_num_seqs",),
+    "paged": ("block_size", "num_blocks", "kv_cache_bytes", "max_num_batched_tokens",
+              "max_num_seqs", "enable_prefix_caching", "policy", "attention_backend"),
+}
+
+
+# --- the roofline ---------------------------------------------------------------------------------
+def measure_matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
+    """This machine's fp32 matmul peak, measured: the ceiling any engine could reach."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n ** 3 * repeats / (time.perf_counter() - t) / 1e9
+
+
+def model_gflop_per_token(model) -> float:
+    """Forward FLOPs per token ~ 2 x (matmul weights): every weight is one multiply-add."""
+    params = sum(p.numel() for n, p in model.hf_model.named_parameters() if "embed_tokens" not in n)
+    if model.config.tie_word_embeddings:   # the LM head reuses the embedding matrix
+        params += model.hf_model.get_output_embeddings().weight.numel()
+    return 2 * params / 1e9
+
+
+def roofline_fraction(m: RunMetrics, gflop_per_token: float, peak_gflops: float) -> float:
+    """Achieved FLOP/s over the step's real work (prompt tokens computed + output tokens)."""
+    work = (m.prefill_tokens_computed + m.output_tokens) * gflop_per_token
+    return work / m.duration_s / peak_gflops if m.duration_s else 0.0
+
+
+# --- the main table ---------------------------------------------------------------------------------
+def format_table(rows: list[dict]) -> str:
+    head = ["engine", "tok/s", "vs naive", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95",
+            "lat p50", "lat p95", "peak KV", "waste %", "peak conc", "roofline"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        kv = f"{r['peak_kv_allocated_bytes'] / 2**20:.0f} MiB" if r["peak_kv_allocated_bytes"] else "n/a"
+        waste = f"{r['kv_waste_pct']:.1f}" if r["peak_kv_allocated_bytes"] else "n/a"
+        lines.append("| " + " | ".join([
+            r["engine"], f"{r['output_tok_s']:.1f}", f"{r.get('speedup_vs_naive', float('nan')):.1f}x",
+            f"{r['ttft_p50_s']:.2f}s", f"{r['ttft_p95_s']:.2f}s", f"{r['tpot_p50_s'] * 1000:.0f}ms",
+            f"{r['tpot_p95_s'] * 1000:.0f}ms", f"{r['latency_p50_s']:.1f}s", f"{r['latency_p95_s']:.1f}s",
+            kv, waste, str(r["peak_concurrency"] or "n/a"), f"{100 * r['roofline']:.0f}%"]) + " |")
+    return "\n".join(lines)
+
+
+def run_table(model, engines: list[str], items, naive_items, options: dict) -> list[dict]:
+    peak = measure_matmul_gflops()
+    per_tok = model_gflop_per_token(model)
+    print(f"fp32 matmul peak: {peak:.0f} GFLOP/s; model: {per_tok:.3f} GFLOP/token")
+    rows = []
+    for name in engines:
+        work = naive_items if name.startswith("naive") else items
+        t = time.perf_counter()
+        res = run_engine(model, name, work, options)
+        row = res.metrics.as_dict()
+        row["roofline"] = roofline_fraction(res.metrics, per_tok, peak)
+        row["matmul_peak_gflops"] = peak
+        rows.append(row)
+        print(f"  {name:18s} {row['output_tok_s']:7.1f} tok/s  ({time.perf_counter() - t:.0f}s, "
+              f"{len(work)} requests)", flush=True)
+    base = next((r["output_tok_s"] for r in rows if r["engine"] == "naive"), None)
+    for r in rows:
+        r["speedup_vs_naive"] = r["output_tok_s"] / base if base else float("nan")
+    return rows
+
+
+# --- step-3 experiments --------------------------------------------------------------------------
+def exp_prefix(model, n: int, seed: int, options: dict) -> dict:
+    """Same shared 256-token system prompt on every request, prefix caching off vs on."""
+    from .workload import make_workload
+
+    items = make_workload(n, seed, shared_prefix=True, short=(8, 32), long=(32, 64), p_long=0.2,
+                          categories=("chat", "instruction"))
+    out = {}
+    for on in (False, True):
+        m = run_engine(model, "paged", items, {**options, "enable_prefix_caching": on,
+                                                "max_num_seqs": 8}).metrics
+        out["on" if on else "off"] = {"prefill_tokens_computed": m.prefill_tokens_computed,
+                                      "prompt_tokens": m.prompt_tokens, "ttft_p50_s": m.ttft_p50_s,
+                                      "output_tok_s": m.output_tok_s}
+    off, on = out["off"], out["on"]
+    out["prefill_reduction_pct"] = 100 * (1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"])
+    out["ttft_speedup"] = off["ttft_p50_s"] / on["ttft_p50_s"]
+    return out
+
+
+def exp_parallel(model, n: int, seed: int, options: dict) -> dict:
+    """n = 4 samples of one prompt share its blocks; four independent requests do not."""
+    from .workload import make_workload
+
+    shared = make_workload(n, seed, n=4, short=(32, 64), long=(64, 96), p_long=0.3)
+    independent = [it for it in shared for _ in range(4)]
+    for it in independent:
+        it.params = type(it.params)(**{**asdict(it.params), "n": 1})
+    out = {}
+    for label, items in (("n4", shared), ("independent", independent)):
+        res = run_engine(model, "paged", items, {**options, "max_num_seqs": 4 * n})
+        out[label] = {"peak_blocks": max(s.allocated_slots for s in res.steps) // options.get("block_size", 16),
+                      "output_tokens": res.metrics.output_tokens}
+    out["block_saving_pct"] = 100 * (1 - out["n4"]["peak_blocks"] / out["independent"]["peak_blocks"])
+    return out
+
+
+def exp_capacity(model, n: int, seed: int, options: dict, reserve_tokens: int = 2048,
+                 budget_requests: int = 2) -> dict:
+    """At one KV budget (``budget_requests`` max-length reservations), how many requests run at
+    once when memory is paged?"""
+    from .workload import make_workload
+
+    budget = budget_requests * reserve_tokens * model.kv_bytes_per_token
+    items = make_workload(n, seed)
+    res = run_engine(model, "paged", items, {**options, "kv_cache_bytes": budget, "max_num_seqs": n})
+    return {"kv_budget_bytes": budget, "reserve_tokens": reserve_tokens,
+            "reservation_concurrency": budget_requests,
+            "paged_peak_concurrency": res.metrics.peak_concurrency,
+            "ratio": res.metrics.peak_concurrency / budget_requests,
+            "preemptions": res.metrics.num_preemptions}
+
+
+# --- entry point ---------------------------------------------------------------------------------
+def main(args: argparse.Namespace) -> int:
+    from .models import load_model
+    from .workload import make_workload
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ALL_ENGINES]
+    if bad:
+        print(f"unknown engine(s) {', '.join(bad)}: choose from {', '.join(ALL_ENGINES)}")
+        return 2
+    from .__main__ import engine_options
+    options = engine_options(args)
+    n = args.requests or (64 if args.quick else 200)
+    n_naive = args.naive_requests or (6 if args.quick else 8)
+    torch.manual_seed(args.seed)
+    model = load_model(args.model)
+    items = make_workload(n, args.seed, rate=args.rate)
+    print(f"workload: {n} requests ({n_naive} for naive engines), "
+          f"{sum(it.params.max_tokens for it in items)} output tokens, "
+          f"arrivals {'all at t=0' if not args.rate else f'Poisson {args.rate}/s'}")
+    rows = run_table(model, engines, items, items[:n_naive], options)
+    print()
+    print(format_table(rows))
+    results = {"model": args.model, "requests": n, "naive_requests": n_naive, "rate": args.rate,
+               "seed": args.seed, "quick": args.quick, "table": rows, "experiments": {}}
+    exps = [e for e in args.experiments.split(",") if e in EXPERIMENTS]
+    runners = {"prefix": exp_prefix, "parallel": exp_parallel, "capacity": exp_capacity}
+    sizes = {"prefix": 16, "parallel": 8, "capacity": 32} if args.quick else \
+        {"prefix": 32, "parallel": 16, "capacity": 64}
+    for name in exps:
+        print(f"\nexperiment {name} ...", flush=True)
+        results["experiments"][name] = r = runners[name](model, sizes[name], args.seed, options)
+        print(json.dumps(r, indent=1))
+    out = Path(args.json) if args.json else FIGURES / "bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nresults -> {out}")
+    if not args.no_figure:
+        from .viz.plots import plot_bench
+        path = plot_bench(results, FIGURES / "bench.png")
+        print(f"figure  -> {path}")
+    return 0

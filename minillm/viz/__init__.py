@@ -1,0 +1,1 @@
+"""Pictures (plots.py) and live notebook views (widgets.py)."""
