@@ -149,7 +149,7 @@ def tiny_llama_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
                        eos_token_id=2, pad_token_id=0,
                        # A wide init makes the random model's logits peaky, so greedy choices are

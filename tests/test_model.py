@@ -1,0 +1,65 @@
+"""minillm's own forward (step 3) equals the Hugging Face model's logits within fp32 rounding,
+also when the prompt is split into chunks that read the cached prefix through block tables."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from minillm.engines.s3_paged.attention import TorchAttention
+from minillm.engines.s3_paged.block_manager import BlockManager
+from minillm.engines.s3_paged.runner import ModelRunner
+from minillm.engines.s3_paged.sequence import Sequence
+from minillm.models import LoadedModel, ByteTokenizer
+from minillm.request import Request, SamplingParams
+
+
+def tiny_qwen2() -> LoadedModel:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, initializer_range=0.3, rope_theta=1e6)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():   # random, non-zero biases so the q/k/v bias path is really tested
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return LoadedModel("tiny-qwen2", model, ByteTokenizer(512), torch.float32, torch.device("cpu"))
+
+
+def paged_logits(model: LoadedModel, prompt: list[int], chunks: list[int], block_size=4):
+    """Run ``prompt`` through our forward in the given chunk sizes; logits of every position."""
+    runner = ModelRunner(model, num_blocks=64, block_size=block_size, backend=TorchAttention())
+    bm = BlockManager(64, block_size)
+    seq = Sequence(Request(prompt, SamplingParams()), list(prompt), len(prompt))
+    rows = []
+    for n in chunks:
+        bm.append_slots(seq, n)
+        ids, pos, meta, _, _ = runner.prepare([(seq, n)])
+        hidden = runner.net.forward(ids, pos, meta, runner.kv_caches, runner.backend)
+        rows.append(runner.net.logits(hidden))
+        seq.num_computed_tokens += n
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("which", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("chunks", [[37], [10, 1, 26], [1] * 37])
+def test_forward_equals_hf(tiny, which, chunks):
+    model = tiny if which == "tiny-llama" else tiny_qwen2()
+    prompt = random_prompts(1, seed=3, lo=37, hi=37)[0]
+    with torch.inference_mode():
+        ref = model.hf_model(torch.tensor([prompt])).logits[0].float()
+        got = paged_logits(model, prompt, chunks)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_forward_equals_hf(smol):
+    prompt = smol.tokenizer.encode("The paged KV cache stores keys and values in blocks, so")
+    with torch.inference_mode():
+        ref = smol.hf_model(torch.tensor([prompt])).logits[0].float()
+        got = paged_logits(smol, prompt, [len(prompt) - 3, 1, 2], block_size=16)
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()

@@ -1,0 +1,93 @@
+"""The Hugging Face peers (``minillm.peers``) serve the same workload as our engines and must give,
+token for token, what ``generate`` gives each request alone (greedy, tiny-llama, fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.models import load_model
+from minillm.peers import run_hf_generate_batch, run_hf_static
+from minillm.request import FinishReason, Request, SamplingParams
+
+MAX_TOKENS = [1, 12, 5, 8, 3, 12, 2]
+PROMPT_LENS = [5, 9, 3, 17, 6, 11, 4]
+
+
+@pytest.fixture(scope="module")
+def model():
+    # One thread: the tiny model's matmuls are too small to split, and on a busy 2-core machine
+    # a two-thread pool waits on its descheduled partner at every op (10x slower, erratically).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model("tiny-llama", device="cpu")
+    torch.set_num_threads(threads)
+
+
+def workload(arrival_gap_s: float = 0.0) -> list[Request]:
+    gen = torch.Generator().manual_seed(0)
+    return [Request(torch.randint(3, 500, (n,), generator=gen).tolist(),
+                    SamplingParams(max_tokens=k, ignore_eos=True),
+                    arrival_offset_s=i * arrival_gap_s)
+            for i, (n, k) in enumerate(zip(PROMPT_LENS, MAX_TOKENS))]
+
+
+def alone(model, req: Request) -> list[int]:
+    k = req.params.max_tokens
+    ids = torch.tensor([req.prompt_token_ids])
+    out = model.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                  min_new_tokens=k, do_sample=False, pad_token_id=0)
+    return out[0, req.prompt_len:].tolist()
+
+
+PEERS = {
+    "hf-static": lambda m, reqs: run_hf_static(m, reqs, batch_size=3),
+    "hf-generate-batch": run_hf_generate_batch,
+}
+
+
+@pytest.mark.parametrize("name", PEERS)
+@pytest.mark.parametrize("gap", [0.0, 0.01])
+def test_peer_matches_generate_alone(model, name, gap):
+    reqs = workload(gap)
+    result = PEERS[name](model, reqs)
+    assert result.metrics.engine == name
+    assert [o.request_id for o in result.outputs] == [r.request_id for r in reqs]
+    for out, req in zip(result.outputs, reqs):
+        assert out.token_ids == alone(model, req), req.request_id
+        assert out.finish_reason == FinishReason.LENGTH
+        assert req.arrival_time <= req.first_token_time <= req.finish_time
+        assert req.arrival_time - (reqs[0].arrival_time - reqs[0].arrival_offset_s) == \
+            pytest.approx(req.arrival_offset_s)
+    assert result.metrics.output_tokens == sum(MAX_TOKENS)
+    assert result.metrics.num_errors == 0
+
+
+def test_static_steps_and_eos(model):
+    reqs = workload()
+    result = run_hf_static(model, reqs, batch_size=4)
+    # two batches, each as long as its longest request
+    assert len(result.steps) == max(MAX_TOKENS[:4]) + max(MAX_TOKENS[4:])
+    first = result.steps[0]
+    assert first.batch_size == 4 and first.num_prefill_tokens == sum(PROMPT_LENS[:4])
+    assert first.allocated_slots == 4 * max(PROMPT_LENS[:4]) >= first.token_slots
+    assert result.metrics.peak_kv_allocated_bytes > 0
+    # without ignore_eos a row stops at its first EOS: make token 2 of a row the "EOS"
+    req = workload()[1]
+    third = alone(model, req)[2]
+    req.params.ignore_eos, req.params.stop_token_ids = False, [third]
+    out = run_hf_static(model, [req]).outputs[0]
+    assert out.token_ids == alone(model, workload()[1])[:3] and out.finish_reason == FinishReason.STOP
+
+
+def test_generate_batch_leaves_model_as_it_was(model):
+    impl = model.config._attn_implementation
+    run_hf_generate_batch(model, workload()[:2])
+    assert model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("run", [run_hf_static, run_hf_generate_batch])
+def test_rejects_n_and_beams(model, run):
+    with pytest.raises(ValueError, match="n > 1 or beam"):
+        run(model, [Request([5, 6, 7], SamplingParams(n=2))])
+    with pytest.raises(ValueError, match="n > 1 or beam"):
+        run(model, [Request([5, 6, 7], SamplingParams(beam_width=2))])
