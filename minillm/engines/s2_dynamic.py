@@ -53,6 +53,7 @@ class DynamicBatchEngine(Engine):
     def num_running(self) -> int:
         return sum(r is not None for r in self.rows)
 
+    @torch.inference_mode()   # the mask was made in inference mode; only there may it change
     def abort(self, request_id: str) -> bool:
         """Cancel a request: it leaves its row (a hole) and ends with finish reason ``abort``."""
         for i, r in enumerate(self.rows):
