@@ -51,7 +51,8 @@ def _stop_set(model: LoadedModel, req: Request) -> list[int]:
 
 
 def _finish(model: LoadedModel, req: Request, tokens: list[int], times: list[float]) -> None:
-    """Keep ``tokens`` up to the first stop (EOS/stop token/max_tokens); ``times[i]`` made token i."""
+    """Keep ``tokens`` up to the first stop (EOS, stop token, max_tokens).
+    ``times[i]`` is when token i was made."""
     for i, tok in enumerate(tokens):
         reason = stop_reason(req.params, tok, i + 1, req.prompt_len + i + 1, model.eos_token_ids,
                              model.max_model_len)
@@ -82,7 +83,7 @@ class _StepClock(LogitsProcessor):
         return scores
 
 
-def _generate_batch(model: LoadedModel, batch: list[Request], sampling: dict, t0: float,
+def _run_static_batch(model: LoadedModel, batch: list[Request], sampling: dict, t0: float,
                     first_step: int) -> list[StepRecord]:
     ids, mask = left_pad([r.prompt_token_ids for r in batch], model.pad_token_id, model.device)
     width = ids.shape[1]
@@ -115,6 +116,8 @@ def run_hf_static(model: LoadedModel, requests: list[Request], batch_size: int =
                   progress: bool = False) -> RunResult:
     """HF ``generate`` on static batches: take up to ``batch_size`` arrived requests, run them all
     to the end (``max_new_tokens`` = the batch's largest ``max_tokens``), then take the next."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     sampling = _check(requests)
     t0 = time.perf_counter()
     pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
@@ -127,38 +130,45 @@ def run_hf_static(model: LoadedModel, requests: list[Request], batch_size: int =
                 pending[0].arrival_offset_s <= time.perf_counter() - t0:
             batch.append(pending.popleft())
             batch[-1].arrival_time = t0 + batch[-1].arrival_offset_s
-        steps += _generate_batch(model, batch, sampling, t0, len(steps) + 1)
+        steps += _run_static_batch(model, batch, sampling, t0, len(steps) + 1)
         bar.update(len(batch))
     bar.close()
     return _outputs(model, "hf-static", requests, steps, time.perf_counter() - t0)
 
 
 # --- hf-generate-batch: transformers' continuous batching ---------------------------------------
-def _cb_config(requests: list[Request], page_size: int, max_batch_tokens: int):
-    """Size the paged cache to hold every request at once (no evictions, which would lose the
-    per-token timestamps). The default sizing takes a share of free device memory: on CPU that is
-    most of the RAM, and an sdpa attention mask as large as the whole cache."""
-    blocks = sum(math.ceil((r.prompt_len + r.params.max_tokens) / page_size) for r in requests)
-    return ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks + 1,
+def _cb_config(model: LoadedModel, requests: list[Request], page_size: int,
+               max_batch_tokens: int, kv_cache_bytes: int) -> ContinuousBatchingConfig:
+    """Size the paged cache for the workload, within the byte budget our paged engine gets.
+    HF's own sizing takes a share of free device memory: on CPU that is most of the RAM, plus an
+    sdpa attention mask as wide as the whole cache. Holding every request at once avoids
+    evictions, which would re-prefill a request and lose its early per-token timestamps."""
+    need = sum(math.ceil((r.prompt_len + r.params.max_tokens) / page_size) for r in requests)
+    budget = kv_cache_bytes // (page_size * model.kv_bytes_per_token)
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=max(1, min(need + 1, budget)),
                                     max_batch_tokens=max_batch_tokens)
 
 
 def run_hf_generate_batch(model: LoadedModel, requests: list[Request], progress: bool = False,
-                          page_size: int = 16, max_batch_tokens: int = 1024) -> RunResult:
+                          page_size: int = 16, max_batch_tokens: int = 1024,
+                          kv_cache_bytes: int = 1 << 30) -> RunResult:
     """transformers' continuous batching manager, fed each request when its arrival time comes,
-    with its own ``max_new_tokens`` and stop tokens. Greedy unless the workload samples."""
+    with its own ``max_new_tokens`` and stop tokens. Greedy unless the workload samples. The
+    defaults mirror our paged engine's (16-token blocks, 1024-token batches, 1 GiB of KV)."""
     gen_config = GenerationConfig(**_check(requests), eos_token_id=sorted(model.eos_token_ids),
                                   pad_token_id=model.pad_token_id)
-    manager = model.hf_model.init_continuous_batching(
-        generation_config=gen_config,
-        continuous_batching_config=_cb_config(requests, page_size, max_batch_tokens))
-    manager.warmup()  # CUDA graphs where used (a no-op on CPU): setup, like building an engine
-    manager.start()
+    cb_config = _cb_config(model, requests, page_size, max_batch_tokens, kv_cache_bytes)
+    attn = model.config._attn_implementation  # the manager may switch it (to flash, on GPU)
+    manager = model.hf_model.init_continuous_batching(generation_config=gen_config,
+                                                      continuous_batching_config=cb_config)
     try:
+        manager.warmup()  # CUDA graphs where used (a no-op on CPU): setup, like building an engine
+        manager.start()
         return _serve(model, manager, requests, progress)
-    finally:  # stop() restores the model's attention implementation if the manager switched it
-        manager.stop(block=True, timeout=30)
-        manager.destroy()
+    finally:
+        manager.destroy()  # stops the loop if it runs
+        if model.config._attn_implementation != attn:
+            model.hf_model.set_attn_implementation(attn)
 
 
 def _serve(model: LoadedModel, manager, requests: list[Request], progress: bool) -> RunResult:
@@ -186,7 +196,7 @@ def _serve(model: LoadedModel, manager, requests: list[Request], progress: bool)
         req = by_id[result.request_id]
         if result.error is not None:
             req.finish(FinishReason.ERROR, error=result.error)
-        else:  # per-token perf_counter() stamps; a request evicted and recomputed lost its early ones
+        else:  # perf_counter() stamps per token (a request evicted and recomputed loses some)
             _finish(model, req, list(result.generated_tokens),
                     result.timestamps or [result.lifespan[1]])
         left -= 1

@@ -76,7 +76,8 @@ def test_static_steps_and_eos(model):
     third = alone(model, req)[2]
     req.params.ignore_eos, req.params.stop_token_ids = False, [third]
     out = run_hf_static(model, [req]).outputs[0]
-    assert out.token_ids == alone(model, workload()[1])[:3] and out.finish_reason == FinishReason.STOP
+    assert out.token_ids == alone(model, workload()[1])[:3]
+    assert out.finish_reason == FinishReason.STOP
 
 
 def test_generate_batch_leaves_model_as_it_was(model):
