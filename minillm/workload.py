@@ -15,6 +15,10 @@ from pathlib import Path
 from .request import SamplingParams
 
 PROMPTS_FILE = Path(__file__).parent / "data" / "prompts.jsonl"
+# The default mix: everyday chat-sized prompts (32-80 tokens with the chat template). The "long"
+# category (350-860 tokens of document + question) is opt-in: one long prompt sets the width of a
+# whole padded batch, which is a lesson of its own (see `bench --long-prompts`).
+CHAT_MIX = ("chat", "instruction", "reasoning", "code")
 
 # ~256 tokens of shared system prompt, for the prefix-caching benchmark: every request starts
 # with the same instructions, as a chat product's requests do.
@@ -67,7 +71,7 @@ def arrival_offsets(n: int, rng: random.Random, rate: float | None) -> list[floa
 def make_workload(num_requests: int, seed: int = 0, rate: float | None = None,
                   short: tuple[int, int] = (8, 48), long: tuple[int, int] = (96, 192),
                   p_long: float = 0.3, shared_prefix: bool = False, n: int = 1,
-                  categories: tuple[str, ...] | None = None) -> list[WorkItem]:
+                  categories: tuple[str, ...] | None = CHAT_MIX) -> list[WorkItem]:
     """``num_requests`` chat requests drawn (with replacement if needed) from the bundled prompts.
 
     Greedy with ``ignore_eos``, as in vLLM's benchmarks: every engine then produces exactly the

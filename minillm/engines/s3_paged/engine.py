@@ -182,6 +182,8 @@ class PagedEngine(Engine):
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
+        if req.params.n == 1:   # keep the request's own view live (progress, abort, notebooks)
+            req.output_token_ids.append(token)
         reason = stop_reason(req.params, token, len(seq.output_token_ids), seq.num_tokens,
                              self.eos_ids, self.max_model_len)
         if reason is not None:

@@ -73,9 +73,8 @@ class PagedLlama:
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # computed in fp32 like HF, then cast back
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+        """x / sqrt(mean(x^2) + eps) * w, in fp32 like HF (one fused op instead of five)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * w
 
     @staticmethod
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,11 +92,11 @@ class PagedLlama:
         for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.rms_norm(h, w.input_norm)
             qkv = F.linear(x, w.qkv, w.qkv_bias)
-            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-            q = self.rope(q.view(-1, H, D), cos, sin)
-            k = self.rope(k.view(-1, KVH, D), cos, sin)
-            attn = paged_attention(backend, q, k, v.view(-1, KVH, D), k_cache, v_cache, meta,
-                                   self.scale)
+            # q and k sit side by side in qkv: rotate all their heads in one go
+            qk = self.rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
+            attn = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn.reshape(-1, H * D), w.o)
             x = self.rms_norm(h, w.post_norm)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
