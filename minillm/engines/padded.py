@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +37,34 @@ def hf_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cac
     return out.logits[:, -1]
 
 
+class GrowableLayer(DynamicLayer):
+    """One layer's K/V rectangle that grows like a Python list: it keeps spare columns, so adding
+    a token writes in place. (HF's DynamicLayer does ``torch.cat`` — a copy of the whole cache at
+    every decode step, which at batch 64 costs more than the attention itself.)"""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.assign(keys, values)
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor, spare: int = 64) -> None:
+        b, h, n, d = keys.shape
+        self._k, self._v = keys.new_empty(b, h, n + spare, d), values.new_empty(b, h, n + spare, d)
+        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self._len = n
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        if self._len + n > self._k.shape[-2]:   # out of room: double, like list.append
+            self.assign(self.keys, self.values, spare=max(64, self._len))
+        self._k[:, :, self._len:self._len + n] = key_states
+        self._v[:, :, self._len:self._len + n] = value_states
+        self._len += n
+        self.keys, self.values = self._k[:, :, :self._len], self._v[:, :, :self._len]
+        return self.keys, self.values
+
+
 class PaddedKV:
     """The padded KV rectangle of step 2: every layer's K and V are [rows, kv_heads, width, head_dim].
 
@@ -45,6 +74,7 @@ class PaddedKV:
     """
 
     def __init__(self, cache: DynamicCache, mask: torch.Tensor):
+        cache.layers = [GrowableLayer(layer.keys, layer.values) for layer in cache.layers]
         self.cache, self.mask = cache, mask.bool()
 
     @property
@@ -57,7 +87,7 @@ class PaddedKV:
 
     def _map(self, fn):
         for layer in self.cache.layers:
-            layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+            layer.assign(fn(layer.keys), fn(layer.values))
 
     def select_rows(self, keep: list[int]) -> None:
         """Drop every row not in ``keep`` (compaction: costs a copy of the whole cache)."""
@@ -89,13 +119,13 @@ class PaddedKV:
         append = [i for i, s in enumerate(slots) if s >= self.rows]
         reuse = [(i, s) for i, s in enumerate(slots) if s < self.rows]
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            for name in ("keys", "values"):
-                t, o = getattr(mine, name), getattr(theirs, name)
+            merged = []
+            for t, o in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
                 for i, s in reuse:
                     t[s] = o[i]
-                if append:
-                    t = torch.cat([t, o[append]], dim=0)
-                setattr(mine, name, t)
+                merged.append(torch.cat([t, o[append]], dim=0) if append else t)
+            if append:
+                mine.assign(*merged)
         for i, s in reuse:
             self.mask[s] = other.mask[i]
         if append:

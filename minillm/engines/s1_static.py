@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-from transformers import DynamicCache
+from transformers import StaticCache
 
 from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
 from ..request import Request
@@ -34,7 +34,7 @@ class StaticBatchEngine(Engine):
         self.batch_size = batch_size
         self.waiting: deque[Request] = deque()
         self.batch: list[Request] = []
-        self.cache: DynamicCache | None = None
+        self.cache: StaticCache | None = None
         self.mask: torch.Tensor | None = None
 
     def add_request(self, req: Request) -> None:
@@ -57,7 +57,9 @@ class StaticBatchEngine(Engine):
         self.batch = [self.waiting.popleft() for _ in range(n)]
         ids, self.mask = left_pad([r.prompt_token_ids for r in self.batch], self.model.pad_token_id,
                                   self.model.device)
-        self.cache = DynamicCache()
+        # The reservation, made real: one preallocated rectangle written in place at every step.
+        # (HF's DynamicCache would instead copy the whole cache at every step to grow it.)
+        self.cache = StaticCache(config=self.model.config, max_cache_len=self._width())
         logits, ms = timed_ms(hf_forward, self.model.hf_model, ids, self.mask, self.cache)
         out = StepOutput(prefill_ms=ms, batch_size=n, num_prefill_tokens=int(self.mask.sum()))
         self._append(logits, out)
@@ -85,11 +87,15 @@ class StaticBatchEngine(Engine):
             self.batch, self.cache, self.mask = [], None, None
 
     # --- memory: the reservation rows x (longest prompt + largest max_tokens) -------------------
+    def _width(self) -> int:
+        longest = max(r.prompt_len for r in self.batch)
+        return min(longest + max(r.params.max_tokens for r in self.batch), self.max_model_len)
+
     def _rows(self):
         if not self.batch:
             return [], 0
         longest = max(r.prompt_len for r in self.batch)
-        width = longest + max(r.params.max_tokens for r in self.batch)
+        width = self._width()
         rows = []
         for r in self.batch:
             pad = longest - r.prompt_len
