@@ -60,20 +60,15 @@ class TorchAttention:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, H, D] -> [B, H, D]; sequence b attends to its first context_lens[b] tokens.
-
-        Written out (not SDPA) so grouped-query attention reads each KV head once for its whole
-        group of query heads instead of repeating K/V per query head."""
+        """q [B, H, D] -> [B, H, D]; sequence b attends to its first context_lens[b] tokens."""
         length = int(context_lens.max())
-        k = self.gather(k_cache, block_tables, length)                   # [B, L, kvh, d]
-        v = self.gather(v_cache, block_tables, length)
-        b, kvh = k.shape[0], k.shape[2]
-        qg = q.view(b, kvh, -1, q.shape[-1])                              # [B, kvh, group, d]
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+        k = self.gather(k_cache, block_tables, length).transpose(1, 2)   # [B, kvh, L, d]
+        v = self.gather(v_cache, block_tables, length).transpose(1, 2)
         valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), v)
-        return out.reshape(q.shape)
+        # enable_gqa: each KV head serves its group of query heads without being copied
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None],
+                                             scale=scale, enable_gqa=True)
+        return out[:, :, 0]
 
     def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
