@@ -53,3 +53,14 @@ def test_paged_rejects_request_larger_than_pool(tiny):
 def test_n_and_beams_need_paged(tiny):
     out = LLM(tiny, engine="dynamic").generate(["hi"], SamplingParams(n=2, temperature=1))[0]
     assert out.finish_reason == FinishReason.ERROR and "'paged' engine" in out.error
+
+
+def test_paged_rejects_parallel_request_larger_than_pool(tiny):
+    """n samples each need their own blocks for the output: a request that fits only as n = 1
+    is rejected up front instead of stalling the scheduler."""
+    llm = LLM(tiny, engine="paged", block_size=64, num_blocks=4)
+    params = SamplingParams(max_tokens=71, n=3, temperature=0.8, seed=0, ignore_eos=True)
+    out = llm.generate([[5] * 47], params)[0]
+    assert out.finish_reason == FinishReason.ERROR and "could never run" in out.error
+    ok = llm.generate([[5] * 47], SamplingParams(max_tokens=71, ignore_eos=True))[0]
+    assert ok.finish_reason == FinishReason.LENGTH

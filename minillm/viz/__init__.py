@@ -1,1 +1,2 @@
-"""Pictures (plots.py) and live notebook views (widgets.py)."""
+"""Pictures (plots.py), live notebook views (widgets.py), the fragmentation visualizer's allocator
+simulator (fragmentation.py) and each notebook's key figure (figures.py, ``make figures``)."""

@@ -12,7 +12,12 @@ from matplotlib.patches import Patch
 from ..memory import CACHED, FREE, PADDING, RESERVED, TOKEN, MemorySnapshot
 
 KIND_COLORS = {FREE: "#f2f2f2", PADDING: "#e45756", RESERVED: "#f2b447", CACHED: "#9ecae9"}
-OWNER_COLORS = plt.get_cmap("tab20").colors
+# One colour per request, all clearly apart from the kind colours above (no light blue, orange,
+# red or grey, which would read as cached, reserved, padding or free).
+OWNER_COLORS = tuple(matplotlib.colors.to_rgb(c) for c in (
+    "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#393b79",
+    "#637939", "#7b4173", "#31a354", "#5254a3", "#a55194", "#8ca252", "#756bb1", "#843c39",
+    "#3182bd", "#74c476", "#ce6dbd", "#6b6ecf"))
 
 
 def memory_image(snap: MemorySnapshot) -> np.ndarray:

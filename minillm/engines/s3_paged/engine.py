@@ -80,8 +80,10 @@ class PagedEngine(Engine):
         width = max(p.n, p.beam_width)
         longest = min(req.prompt_len + p.max_tokens, self.max_model_len)
         # A request must fit the pool when alone; then preemption can always make it progress.
-        need = -(-req.prompt_len // bs) + width * -(-(longest - req.prompt_len) // bs + 1) \
-            if width > 1 else -(-longest // bs)
+        if width > 1:   # shared prompt blocks + each sample's own blocks (+1 copy-on-write)
+            need = -(-req.prompt_len // bs) + width * (-(-(longest - req.prompt_len) // bs) + 1)
+        else:
+            need = -(-longest // bs)
         pool = self.block_manager.num_blocks
         if need > pool:
             raise RequestError(f"{req.request_id}: needs {need} KV blocks of {bs} tokens "

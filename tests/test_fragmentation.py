@@ -1,0 +1,210 @@
+"""The fragmentation visualizer's allocators keep their books straight, and a trace recorded from a
+real PagedEngine run replays through the paged allocator to exactly the engine's own numbers."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import random_prompts
+from minillm import LLM, SamplingParams
+from minillm.memory import FREE, RESERVED, TOKEN
+from minillm.viz.fragmentation import (ALLOCATORS, SimConfig, SimRequest, Trace, TraceRecorder,
+                                       WorkloadSpec, compare, record_paged_run, replay_trace,
+                                       simulate, trace_from_run, waste_breakdown)
+
+
+# --- allocator invariants ----------------------------------------------------------------------
+def check_result(res, requests):
+    cfg = res.config
+    if not res.steps:                 # nothing could ever fit
+        assert len(res.rejected) == len(requests)
+        return
+    pool = cfg.num_blocks * cfg.block_size if res.allocator == "paged" else cfg.budget_slots
+    assert len(res.snapshots) == len(res.steps)
+    for st_, snap in zip(res.steps, res.snapshots):
+        assert 0 <= st_.token_slots <= st_.allocated_slots <= pool
+        assert st_.internal_slots + st_.reserved_slots == st_.allocated_slots - st_.token_slots
+        assert st_.allocated_slots + st_.free_slots == pool
+        assert 0 <= st_.external_slots <= st_.free_slots
+        assert st_.num_running <= cfg.max_num_seqs
+        # every number is read back identically from the snapshot the step drew
+        b = waste_breakdown(snap)
+        assert (b["token"], b["allocated"], b["internal"], b["reserved"], b["external"]) == (
+            st_.token_slots, st_.allocated_slots, st_.internal_slots, st_.reserved_slots,
+            st_.external_slots)
+        if res.allocator == "paged":
+            assert st_.reserved_slots == 0 and st_.external_slots == 0
+            seqs = len(snap.extra["block_tables"])
+            # waste only in each sequence's last block: fewer than block_size slots each
+            assert st_.internal_slots <= (cfg.block_size - 1) * seqs
+            assert snap.kind.shape == (cfg.num_blocks, cfg.block_size)
+        else:
+            assert st_.internal_slots == 0
+            owned = int((snap.owner.reshape(-1)[:pool] >= 0).sum())
+            assert owned == st_.allocated_slots, "contiguous regions overlap"
+            flat = snap.kind.reshape(-1)[:pool]
+            assert int(np.isin(flat, (TOKEN, RESERVED)).sum()) == st_.allocated_slots
+            assert int((flat == FREE).sum()) == st_.free_slots
+            if res.allocator == "max-length":
+                assert st_.allocated_slots % (cfg.max_len or max(
+                    r.prompt_len + r.max_tokens for r in requests)) == 0
+            if st_.num_waiting == 0:
+                assert st_.external_slots == 0
+    # everything admitted finishes and is freed; the pool is empty at the end
+    assert res.steps[-1].num_finished + len(res.rejected) == len(requests)
+    assert res.steps[-1].allocated_slots == 0
+    assert res.steps[-1].num_running == res.steps[-1].num_waiting == 0
+
+
+workloads = st.builds(
+    WorkloadSpec, num_requests=st.integers(1, 24), arrival_rate=st.sampled_from([None, 0.3, 2.0]),
+    prompt_len=st.tuples(st.integers(1, 40), st.integers(1, 120)),
+    output_len=st.tuples(st.integers(1, 30), st.integers(1, 90)),
+    length_dist=st.sampled_from(["uniform", "long-tail", "bimodal"]),
+    shared_prefix=st.booleans(), prefix_len=st.integers(1, 40), n=st.integers(1, 3),
+    seed=st.integers(0, 1000))
+configs = st.builds(
+    SimConfig, budget_slots=st.sampled_from([256, 512, 1024, 4096]),
+    block_size=st.sampled_from([1, 4, 16, 64]), max_num_batched_tokens=st.sampled_from([16, 128, 512]),
+    max_num_seqs=st.sampled_from([2, 8, 64]), max_len=st.sampled_from([None, 200]),
+    enable_prefix_caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=workloads, cfg=configs)
+def test_allocators_keep_their_books(spec, cfg):
+    requests = spec.make()
+    for name, res in compare(requests, cfg).items():
+        check_result(res, requests)
+        for r in requests:   # a request is rejected only if it could never fit the budget alone
+            if r.request_id in res.rejected and name == "exact":
+                assert r.n * (r.prompt_len + r.max_tokens) > cfg.budget_slots
+
+
+def test_the_story_of_notebook_05():
+    """At one budget, paging wastes least and runs the most requests at once; contiguous exact
+    reservations leave unusable holes; max-length reservations waste most."""
+    spec = WorkloadSpec(num_requests=48, arrival_rate=2.0)
+    res = compare(spec.make(), SimConfig(max_len=512, enable_prefix_caching=False))
+    s = {k: r.summary() for k, r in res.items()}
+    assert s["paged"]["waste_pct"] < 15 < s["exact"]["waste_pct"] < s["max-length"]["waste_pct"]
+    assert s["paged"]["peak_running"] > s["exact"]["peak_running"] > s["max-length"]["peak_running"]
+    assert s["exact"]["external_pct_of_budget"] > 0 == s["paged"]["external_pct_of_budget"]
+    assert s["paged"]["steps"] < s["max-length"]["steps"]
+
+
+def test_prefix_caching_and_parallel_samples_share_blocks():
+    spec = WorkloadSpec(num_requests=16, arrival_rate=0.5, shared_prefix=True, prefix_len=64, n=3)
+    reqs = spec.make()
+    on = simulate(reqs, "paged", SimConfig(enable_prefix_caching=True))
+    off = simulate(reqs, "paged", SimConfig(enable_prefix_caching=False))
+    assert on.summary()["prefix_hit_tokens"] > 0 == off.summary()["prefix_hit_tokens"]
+    assert any((s.ref_counts > 1).any() for s in off.snapshots), "n = 3 samples share no block"
+    # one request, three samples: paged stores the prompt once, contiguous once per sample
+    one = [SimRequest("r", list(range(100)), [20, 20, 20], 20)]
+    paged_peak = max(s.token_slots for s in simulate(one, "paged", SimConfig()).steps)
+    exact_peak = max(s.token_slots for s in simulate(one, "exact", SimConfig()).steps)
+    assert paged_peak < 100 + 3 * (16 + 20) < 3 * 100 < exact_peak
+
+
+def test_simulation_is_deterministic_and_fast():
+    import time
+    spec = WorkloadSpec(num_requests=64, arrival_rate=1.0)
+    t = time.perf_counter()
+    a = compare(spec.make(), SimConfig())
+    assert time.perf_counter() - t < 10
+    b = compare(spec.make(), SimConfig())
+    for name in ALLOCATORS:
+        assert [vars(s) for s in a[name].steps] == [vars(s) for s in b[name].steps]
+
+
+def test_idle_steps_and_rejections():
+    reqs = [SimRequest("a", [1] * 10, [3], 3, 0), SimRequest("b", [2] * 10, [2], 2, 20),
+            SimRequest("big", [3] * 5000, [1], 1, 0)]
+    ticking = simulate(reqs, "paged", SimConfig(budget_slots=256, block_size=16))
+    assert ticking.rejected == ["big"]
+    assert len(ticking.steps) >= 22 and ticking.steps[10].allocated_slots == 0
+    jumping = simulate(reqs, "paged", SimConfig(budget_slots=256, block_size=16, idle_steps=False))
+    assert len(jumping.steps) < len(ticking.steps)
+
+
+# --- trace replay against a real engine --------------------------------------------------------
+ENGINE_CASES = {
+    "default": ({}, {}),
+    "tiny-pool-preemption": ({"num_blocks": 12, "block_size": 8}, {}),
+    "chunked-prefill": ({"max_num_batched_tokens": 7}, {}),
+    "prefix-caching": ({"enable_prefix_caching": True, "block_size": 4, "max_num_seqs": 2},
+                       {"shared": True}),
+    "parallel-samples": ({"num_blocks": 40, "block_size": 4}, {"n": 3}),
+    "samples-stopping-at-eos": ({"num_blocks": 30, "block_size": 4}, {"n": 2, "eos": True}),
+    "priority": ({"policy": "priority", "max_num_seqs": 2, "num_blocks": 16, "block_size": 4}, {}),
+    "arrivals-over-time": ({"num_blocks": 20, "block_size": 4}, {"rate": 300.0}),
+}
+
+
+def engine_run(tiny, case: str):
+    options, w = ENGINE_CASES[case]
+    rng = random.Random(7)
+    prompts = random_prompts(10, seed=3)
+    if w.get("shared"):
+        prefix = prompts[0][:18]
+        prompts = [prefix + p for p in prompts]
+    n = w.get("n", 1)
+    params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=not w.get("eos"), n=n,
+                             temperature=0.8 if n > 1 else 0.0, seed=1) for _ in prompts]
+    llm = LLM(tiny, engine="paged", **options)
+    reqs = llm.make_requests(prompts, params)
+    for i, r in enumerate(reqs):
+        r.priority = rng.randint(0, 3)
+        if w.get("rate"):
+            r.arrival_offset_s = i / w["rate"]
+    result, trace = record_paged_run(llm, reqs, source=case)
+    return llm, reqs, result, trace
+
+
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
+def test_trace_replay_equals_engine_exactly(tiny, case):
+    _, _, result, trace = engine_run(tiny, case)
+    replay = replay_trace(trace)
+    got = [(s.allocated_slots, s.token_slots, s.num_running) for s in replay.steps]
+    want = [(s.allocated_slots, s.token_slots, s.num_running) for s in result.steps]
+    assert got == want
+    assert replay.summary()["waste_pct"] == pytest.approx(result.metrics.kv_waste_pct, abs=1e-9)
+    assert replay.summary()["peak_running"] == result.metrics.peak_concurrency
+    assert replay.summary()["preemptions"] == result.metrics.num_preemptions
+    if case == "tiny-pool-preemption":
+        assert result.metrics.num_preemptions > 0
+    if case == "arrivals-over-time":
+        assert len({r.arrival_step for r in trace.requests}) > 1
+
+
+def test_trace_round_trips_through_json(tiny, tmp_path):
+    _, _, result, trace = engine_run(tiny, "parallel-samples")
+    loaded = Trace.load(trace.save(tmp_path / "t.json"))
+    assert loaded == trace
+    assert [s.allocated_slots for s in replay_trace(loaded).steps] == \
+        [s.allocated_slots for s in result.steps]
+    # the other allocators replay the same requests at the same budget
+    for name in ("max-length", "exact"):
+        check_result(replay_trace(loaded, name), loaded.requests)
+
+
+def test_trace_from_run_needs_arrival_steps(tiny):
+    llm = LLM(tiny, engine="paged")
+    reqs = llm.make_requests(random_prompts(3, seed=5), SamplingParams(max_tokens=3))
+    result = llm.run(reqs)
+    trace = trace_from_run(result, reqs, llm.engine)          # all at t=0: step 0 for all
+    assert {r.arrival_step for r in trace.requests} == {0}
+    late = llm.make_requests(random_prompts(2, seed=6), SamplingParams(max_tokens=2))
+    late[1].arrival_offset_s = 0.01
+    rec = TraceRecorder(llm.engine)
+    res = llm.run(late)
+    with pytest.raises(ValueError, match="TraceRecorder"):
+        trace_from_run(res, late, llm.engine)
+    assert trace_from_run(res, late, llm.engine, rec.added).requests[1].arrival_step >= 0
+    with pytest.raises(TypeError):
+        trace_from_run(res, late, LLM(tiny, engine="dynamic").engine)

@@ -1,0 +1,73 @@
+"""Every notebook runs headless, top to bottom, without an error (quick mode), and is stored
+without outputs."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+EXPECTED = ["00_naive_loop", "01_static_batching", "02_dynamic_batching", "03_block_manager",
+            "04_triton_kernels", "05_fragmentation_visualizer"]
+# The quick-mode budget is "well under 90 s" on a 2-core CPU; the limit leaves room for a loaded
+# machine without letting a notebook silently grow into a full-size run.
+LIMIT_S = float(os.environ.get("MINILLM_NOTEBOOK_LIMIT_S", 180))
+
+
+def test_every_step_has_its_notebook():
+    assert [p.stem for p in NOTEBOOKS] == EXPECTED
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, \
+                f"{path.name} is stored with outputs: clear them before committing"
+    assert "widgets" not in nb.metadata, f"{path.name} is stored with widget state"
+
+
+def python_kernel() -> str:
+    """The kernel nbclient will start: ``python3``, which jupyter_client runs with this very
+    interpreter (the venv) as long as ipykernel is importable here."""
+    try:
+        import ipykernel  # noqa: F401
+        from jupyter_client.kernelspec import KernelSpecManager
+    except ImportError as e:
+        pytest.fail(f"cannot run notebooks: {e}. Install the requirements (make setup) so that "
+                    "ipykernel and jupyter_client are in this environment.")
+    specs = KernelSpecManager().find_kernel_specs()
+    if "python3" not in specs:
+        pytest.fail("no 'python3' Jupyter kernel spec found; run `python -m ipykernel install "
+                    "--sys-prefix` in this environment")
+    return "python3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, monkeypatch):
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    kernel = python_kernel()
+    monkeypatch.setenv("MINILLM_QUICK", "1")   # the kernel inherits this process's environment
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, kernel_name=kernel, timeout=600,
+                            resources={"metadata": {"path": str(path.parent)}})
+    t = time.perf_counter()
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        pytest.fail(f"{path.name} failed:\n{e}")
+    took = time.perf_counter() - t
+    print(f"{path.name}: {took:.1f} s")
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors
+    assert took < LIMIT_S, f"{path.name} took {took:.0f} s in quick mode"
