@@ -57,7 +57,9 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = {row["engine"]: row for row in res["table"]}
-    assert set(rows) == {"naive", "static", "dynamic", "paged"}
+    assert set(rows) == {"naive", "static", "dynamic", "paged", "paged-kv-budget"}
+    # the KV bytes the contiguous engines' rows need at their longest: more requests fit at once
+    assert rows["paged-kv-budget"]["peak_concurrency"] >= rows["paged"]["peak_concurrency"]
     for row in rows.values():
         assert row["output_tokens"] > 0 and row["output_tok_s"] > 0 and row["num_errors"] == 0
     assert rows["naive"]["num_requests"] == 2 and rows["paged"]["num_requests"] == 8
