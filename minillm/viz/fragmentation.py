@@ -285,13 +285,7 @@ class PagedSim:
         for seq in seqs:
             group, _ = self.groups[seq.request.request_id]
             by_group.setdefault(id(group), group)
-            n = seq.request.params.n
-            if n > 1 and seq.num_tokens == seq.prompt_len:   # prompt done: fork n-1 samples
-                for k in range(1, n):
-                    child = self.bm.fork(seq)
-                    child.sample_id = k
-                    group.seqs.append(child)
-                    expanded.append(child)
+            expanded += group.fork_samples(seq, self.bm)
             expanded.append(seq)
         for seq in expanded:
             self._append(seq)

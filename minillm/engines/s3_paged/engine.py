@@ -164,13 +164,7 @@ class PagedEngine(Engine):
         for i in rows:
             seq = seqs[i]
             group = self.groups[seq.request.request_id]
-            n = seq.request.params.n
-            if n > 1 and seq.num_tokens == seq.prompt_len:   # prompt done: fork n-1 children
-                for k in range(1, n):
-                    child = self.block_manager.fork(seq)
-                    child.sample_id = k
-                    group.seqs.append(child)
-                    expanded.append((i, child))
+            expanded += [(i, child) for child in group.fork_samples(seq, self.block_manager)]
             expanded.append((i, seq))
         params = [s.request.params for _, s in expanded]
         tokens = sample_tokens(logits[[i for i, _ in expanded]], params,
