@@ -97,7 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out = outputs.get(i)
             if out is None or out.error:
                 failed += 1
-                err = errors.get(i) or f"line {lines[i][0]}: {out.error}"
+                lineno = lines[i][0]   # engine errors start with the request id, "line-N: "
+                err = errors.get(i) or f"line {lineno}: {out.error.removeprefix(f'line-{lineno}: ')}"
                 f.write(json.dumps({"id": obj_id, "error": err}) + "\n")
                 continue
             row = {"id": obj_id, "text": out.text, "token_ids": out.token_ids,
