@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup lab test test-fast bench bench-full figures kernels clean
+.PHONY: setup browser lab test test-fast bench bench-full figures kernels clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -26,7 +26,16 @@ $(MODEL_STAMP): $(STAMP)
 lab: setup
 	$(BIN)/jupyter lab notebooks/
 
-test: setup
+# The browser test drives Debian's chromium through chromedriver; a missing browser fails it.
+# Install both when we can (root with apt-get, as in CI); otherwise say how.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing chromium and chromium-driver for the browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "note: tests/test_browser.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
+
+test: setup browser
 	$(BIN)/python -m pytest -q tests
 
 test-fast: setup
