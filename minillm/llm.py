@@ -6,10 +6,12 @@
 """
 from __future__ import annotations
 
+import itertools
+import numbers
 from typing import Sequence, Union
 
 from .engines import ENGINES, RunResult, create_engine
-from .engines.base import OnStep
+from .engines.base import OnOutput, OnStep
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .request import Request, RequestError, RequestOutput, SamplingParams
 
@@ -29,63 +31,104 @@ class LLM:
             self.engine = create_engine(engine, self.model, **engine_options)
         except TypeError as e:  # an option this engine does not take
             raise ValueError(f"bad option for engine {engine!r}: {e}") from None
+        self._ids = itertools.count()   # request ids, unique for the life of this LLM
 
     # --- prompts -> token ids ----------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages) -> list[int]:
         """Apply the model's chat template (adds the assistant turn header)."""
-        if not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
+        if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise RequestError(f"messages[{i}] must be a dict with string 'role' and "
+                                   f"'content', got {m!r:.80}")
+            check_text(m["content"], f"messages[{i}].content")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+        except Exception as e:   # the template itself refused (e.g. an unknown role)
+            raise RequestError(f"the chat template rejected these messages: {e}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt")
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(check_text(prompt, "prompt")))
         if isinstance(prompt, dict):
-            for key in ("prompt_token_ids", "messages", "prompt"):
-                if key in prompt:
-                    return self.encode(prompt[key]) if key != "messages" else self.encode_chat(prompt[key])
-            raise RequestError("prompt dict needs 'prompt', 'messages' or 'prompt_token_ids'")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.encode_chat(prompt)
-        if isinstance(prompt, list):
-            return list(prompt)  # token ids; the engine validates their range
+            keys = [k for k in ("prompt_token_ids", "messages", "prompt") if k in prompt]
+            if len(keys) != 1:
+                raise RequestError("a prompt dict needs exactly one of 'prompt', 'messages', "
+                                   f"'prompt_token_ids', got keys {sorted(map(str, prompt))}")
+            value = prompt[keys[0]]
+            if keys[0] == "prompt" and not isinstance(value, str):
+                raise RequestError(f"'prompt' must be a string, got {type(value).__name__}")
+            if keys[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+                raise RequestError("'prompt_token_ids' must be a list of token ids, got "
+                                   f"{type(value).__name__}")
+            return self.encode_chat(value) if keys[0] == "messages" else self.encode(value)
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return self.encode_chat(list(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)  # token ids; the engine checks their types and range
         raise RequestError(f"cannot understand a prompt of type {type(prompt).__name__}")
 
     def make_requests(self, prompts: Sequence[Prompt],
                       params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Request]:
+        """One ``Request`` per prompt, with ids unique for the life of this ``LLM``. A prompt that
+        cannot be encoded becomes a request that the engine answers with its error."""
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        plist = [SamplingParams.coerce(p) for p in plist]
         reqs = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        for prompt, p in zip(prompts, plist):
             try:
-                ids = self.encode(prompt)
+                ids, err = self.encode(prompt), None
             except RequestError as e:
                 ids, err = [], str(e)
-            else:
-                err = None
-            req = Request(ids, p, request_id=str(i))
-            if err:  # an empty token list makes the engine reject it with this message
-                req.error = err
+            req = Request(ids, p, request_id=str(next(self._ids)))
+            req.error = err   # set: the engine rejects the request with this message
             reqs.append(req)
         return reqs
 
     # --- running -------------------------------------------------------------------------------------
     def run(self, requests: list[Request], on_step: OnStep | None = None,
-            progress: bool = False) -> RunResult:
-        return self.engine.run(requests, on_step=on_step, progress=progress)
+            progress: bool = False, on_output: OnOutput | None = None) -> RunResult:
+        """``Engine.run``: calls from several threads run one after another."""
+        return self.engine.run(requests, on_step=on_step, progress=progress, on_output=on_output)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_step: OnStep | None = None, progress: bool = False) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | dict | None = None,
+                 on_step: OnStep | None = None, progress: bool = False,
+                 on_output: OnOutput | None = None) -> list[RequestOutput]:
         """Generate for every prompt; bad prompts get an output with finish_reason ``error``."""
-        one_chat = isinstance(prompts, list) and prompts and isinstance(prompts[0], dict) \
-            and "role" in prompts[0]
-        if isinstance(prompts, (str, dict)) or one_chat or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or _is_one_chat(prompts) or _is_one_id_list(prompts):
             prompts = [prompts]
-        result = self.run(self.make_requests(prompts, params), on_step=on_step, progress=progress)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got "
+                             f"{type(prompts).__name__}")
+        result = self.run(self.make_requests(prompts, params), on_step=on_step, progress=progress,
+                          on_output=on_output)
         return result.outputs
+
+
+def _is_one_chat(prompts) -> bool:
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict) \
+        and "role" in prompts[0]
+
+
+def _is_one_id_list(prompts) -> bool:
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
+
+
+def check_text(text: str, what: str) -> str:
+    """Text the tokenizer can take: valid Unicode (no lone surrogates from a bad decode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid Unicode: {e.reason} at position {e.start} "
+                           f"({text[e.start]!r})") from None
+    return text

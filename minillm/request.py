@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 
@@ -20,12 +22,40 @@ class RequestError(ValueError):
     """A request that cannot be served: it gets an error output, the others go on."""
 
 
+# Below this a temperature is treated as 0 (greedy), as vLLM does: dividing logits by 1e-38
+# overflows to inf and the "sample" would be NaN garbage.
+MIN_TEMPERATURE = 1e-5
+
+
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """``value`` as a plain int, or a ValueError that names the field and the value.
+
+    Integer-like values (numpy ints) are accepted; bools, floats and strings are not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_float(name: str, value) -> float:
+    """``value`` as a finite float, or a ValueError that names the field and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens. Temperature 0 means greedy (argmax), as in vLLM.
 
     ``seed`` makes sampling reproducible per request: the random draw for output token ``i`` depends
     only on (seed, i), never on which other requests happened to share the batch.
+
+    Every field is checked, by type and by value, when the object is made: a bad one raises a
+    ``ValueError`` naming the field, so a mistake never surfaces mid-step inside the engine.
     """
 
     max_tokens: int = 64
@@ -39,20 +69,49 @@ class SamplingParams:
     beam_width: int = 1      # beam search (step 3); 1 = off
 
     def __post_init__(self):
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"),
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (isinstance(self.beam_width, int) and self.beam_width >= 1,
-             f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        self.top_p = check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.top_k = check_int("top_k", self.top_k, 0)
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed)
+        self.stop_token_ids = self._check_stop_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.n = check_int("n", self.n, 1)
+        self.beam_width = check_int("beam_width", self.beam_width, 1)
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError(f"n={self.n} and beam_width={self.beam_width}: choose parallel "
+                             "sampling (n) or beam search (beam_width), not both")
+        if self.beam_width > 1 and self.temperature > 0:
+            raise ValueError(f"beam search is deterministic: beam_width={self.beam_width} needs "
+                             f"temperature=0, got temperature={self.temperature!r}")
+
+    @staticmethod
+    def _check_stop_ids(ids) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r} "
+                             f"({type(ids).__name__})")
+        return [check_int("stop_token_ids[]", t, 0) for t in ids]
+
+    @classmethod
+    def coerce(cls, params) -> "SamplingParams":
+        """Accept a ``SamplingParams`` or a dict of its fields (unknown keys are an error)."""
+        if isinstance(params, cls):
+            return params
+        if isinstance(params, dict):
+            unknown = sorted(set(params) - {f.name for f in fields(cls)}, key=str)
+            if unknown:
+                raise ValueError(f"unknown SamplingParams field(s): {', '.join(map(repr, unknown))}")
+            return cls(**params)
+        raise ValueError(f"params must be a SamplingParams (or a dict of its fields), got "
+                         f"{type(params).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -78,10 +137,20 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # n > 1 / beam search: every sample's (or beam's) tokens, best first, once the request ends
+    samples: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.request_id:
             self.request_id = f"req-{next(_ids)}"
+        if not isinstance(self.request_id, str):
+            raise ValueError(f"request_id must be a string, got {self.request_id!r}")
+        if not isinstance(self.params, SamplingParams):
+            self.params = SamplingParams.coerce(self.params)
+        self.priority = check_int("priority", self.priority)
+        self.arrival_offset_s = check_float("arrival_offset_s", self.arrival_offset_s)
+        if self.arrival_offset_s < 0:
+            raise ValueError(f"arrival_offset_s must be >= 0, got {self.arrival_offset_s!r}")
 
     @property
     def prompt_len(self) -> int:
@@ -160,4 +229,4 @@ class RequestOutput:
                 lat = req.finish_time - req.arrival_time
         return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                    req.finish_reason, req.error, ttft, lat, req.num_preemptions,
-                   [list(req.output_token_ids)])
+                   [list(s) for s in req.samples] or [list(req.output_token_ids)])

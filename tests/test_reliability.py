@@ -91,7 +91,7 @@ def test_fuzz_soak_paged(tiny):
                       top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]), seed=rng.randint(0, 9),
                       n=rng.choice([1, 1, 1, 2, 3]), ignore_eos=rng.random() < 0.5)
             if kw["n"] == 1 and rng.random() < 0.1:
-                kw["beam_width"] = 2
+                kw["beam_width"], kw["temperature"] = 2, 0   # beam search is deterministic
             req = Request(prompt, SamplingParams(**kw), priority=rng.randint(0, 2))
             submitted.append(req)
             try:

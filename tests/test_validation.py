@@ -1,9 +1,11 @@
 """Bad input gets a clear error, and never takes the other requests down."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from minillm import LLM, FinishReason, SamplingParams
+from minillm import LLM, FinishReason, Request, SamplingParams
 from minillm.engines import ENGINES
 
 
@@ -23,7 +25,7 @@ def test_unknown_engine_and_model(tiny):
         LLM("gpt-9", engine="naive")
     with pytest.raises(ValueError, match="bad option for engine 'static'"):
         LLM(tiny, engine="static", block_size=4)
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1, got 0"):
         LLM(tiny, engine="paged", block_size=0)
     with pytest.raises(ValueError, match="smaller than one block"):
         LLM(tiny, engine="paged", kv_cache_bytes=10)
@@ -64,3 +66,110 @@ def test_paged_rejects_parallel_request_larger_than_pool(tiny):
     assert out.finish_reason == FinishReason.ERROR and "could never run" in out.error
     ok = llm.generate([[5] * 47], SamplingParams(max_tokens=71, ignore_eos=True))[0]
     assert ok.finish_reason == FinishReason.LENGTH
+
+
+# --- every field checked by type and value, at construction -----------------------------------------
+@pytest.mark.parametrize("kwargs,words", [
+    ({"stop_token_ids": None}, "stop_token_ids must be a list of token ids, got None"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
+    ({"stop_token_ids": "ab"}, "stop_token_ids must be a list of token ids, got 'ab'"),
+    ({"stop_token_ids": [1, "x"]}, "stop_token_ids[] must be an integer, got 'x'"),
+    ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+    ({"temperature": None}, "temperature must be a number, got None"),
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+    ({"top_p": float("nan")}, "top_p must be a finite number"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
+    ({"max_tokens": True}, "max_tokens must be an integer, got True"),
+    ({"seed": "7"}, "seed must be an integer, got '7'"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be True or False, got 'yes'"),
+    ({"n": 2, "beam_width": 2}, "choose parallel sampling (n) or beam search"),
+    ({"beam_width": 2, "temperature": 0.7}, "beam_width=2 needs temperature=0"),
+])
+def test_sampling_params_checked_by_type(kwargs, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_and_tiny_values_are_normalized(tiny):
+    import numpy as np
+    p = SamplingParams(max_tokens=np.int64(4), top_k=np.int32(3), stop_token_ids=(np.int64(9),),
+                       temperature=1e-38)
+    assert (p.max_tokens, p.top_k, p.stop_token_ids) == (4, 3, [9]) and type(p.max_tokens) is int
+    assert p.greedy, "a temperature too small to divide by behaves as greedy"
+    llm = LLM(tiny, engine="paged")
+    tiny_t = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1e-38, seed=1))
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))
+    assert tiny_t[0].token_ids == greedy[0].token_ids
+
+
+def test_params_as_dict_and_request_fields(tiny):
+    llm = LLM(tiny, engine="paged")
+    out = llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})[0]
+    assert len(out.token_ids) == 3
+    with pytest.raises(ValueError, match="unknown SamplingParams field\\(s\\): 'max_new_tokens'"):
+        llm.generate([[5, 6, 7]], {"max_new_tokens": 3})
+    with pytest.raises(ValueError, match="params must be a SamplingParams .* got int"):
+        llm.generate([[5, 6, 7]], 3)
+    with pytest.raises(ValueError, match="priority must be an integer, got 'high'"):
+        Request([5, 6], priority="high")
+    with pytest.raises(ValueError, match="priority must be an integer, got None"):
+        Request([5, 6], priority=None)
+    with pytest.raises(ValueError, match="arrival_offset_s must be >= 0"):
+        Request([5, 6], arrival_offset_s=-1)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"kv_cache_bytes": 0}, "kv_cache_bytes must be an integer >= 1, got 0"),
+    ({"kv_cache_bytes": 1.5e9}, "kv_cache_bytes must be an integer, got 1500000000.0"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be an integer >= 1, got 0"),
+    ({"num_blocks": 0}, "num_blocks must be an integer >= 1, got 0"),
+    ({"block_size": "16"}, "block_size must be an integer, got '16'"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False"),
+    ({"policy": "lifo"}, "unknown policy 'lifo'"),
+])
+def test_paged_engine_options_checked(tiny, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(tiny, engine="paged", **kwargs)
+
+
+@pytest.mark.parametrize("engine,kwargs,words", [
+    ("static", {"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+    ("dynamic", {"max_num_seqs": "8"}, "max_num_seqs must be an integer, got '8'"),
+])
+def test_contiguous_engine_options_checked(tiny, engine, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(tiny, engine=engine, **kwargs)
+
+
+def test_priority_sort_never_bricks_the_engine(tiny):
+    """Priorities are ints by construction, so the scheduler's sort cannot fail mid-run."""
+    llm = LLM(tiny, engine="paged", policy="priority")
+    reqs = llm.make_requests([[5, 6], [7, 8]], SamplingParams(max_tokens=2))
+    reqs[1].priority = -1
+    outs = llm.run(reqs).outputs
+    assert all(o.finish_reason == FinishReason.LENGTH for o in outs)
+
+
+@pytest.mark.parametrize("engine", ["dynamic", "paged"])
+def test_bad_prompts_get_their_own_errors(tiny, engine):
+    import numpy as np
+    prompts = ["fine", "bad \udcff text", [{"content": "no role"}], [{"role": "user"}],
+               {"prompt_token_ids": "hello"}, {"prompt": 5}, [5, 6.0, 7], [5, "x"],
+               [5, np.int64(6), 7], {"prompt": "a", "messages": []}, 3.5]
+    outs = LLM(tiny, engine=engine).generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(outs) == len(prompts)
+    ok = [o for o in outs if o.error is None]
+    assert [o.request_id for o in ok] == [outs[0].request_id, outs[8].request_id]
+    assert all(len(o.token_ids) == 2 for o in ok)
+    errors = [o.error for o in outs]
+    assert "prompt is not valid Unicode" in errors[1]
+    assert "messages[0] must be a dict with string 'role' and 'content'" in errors[2]
+    assert "messages[0] must be a dict" in errors[3]
+    assert "'prompt_token_ids' must be a list of token ids, got str" in errors[4]
+    assert "'prompt' must be a string, got int" in errors[5]
+    assert "prompt token ids must be integers, got 6.0 (float)" in errors[6]
+    assert "prompt token ids must be integers, got 'x' (str)" in errors[7]
+    assert "needs exactly one of" in errors[9]
+    assert "cannot understand a prompt of type float" in errors[10]

@@ -7,8 +7,11 @@ differ only in ``add_request``/``step`` and in how they lay out KV memory (``kv_
 """
 from __future__ import annotations
 
+import numbers
+import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +43,7 @@ class RunResult:
 
 
 OnStep = Callable[[MemorySnapshot, StepRecord], None]
+OnOutput = Callable[[RequestOutput], None]
 
 
 class Engine:
@@ -54,6 +58,9 @@ class Engine:
         self.eos_ids = model.eos_token_ids
         self.max_model_len = model.max_model_len
         self.step_count = 0
+        # One run at a time: a second thread's run() waits for the first (see ``_exclusive``).
+        self._run_lock = threading.Lock()
+        self._run_thread: int | None = None
 
     # --- what each step implements -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -75,16 +82,30 @@ class Engine:
         """Requests holding KV memory right now (for peak-concurrency metrics)."""
         raise NotImplementedError
 
+    def reset(self) -> list[Request]:
+        """Drop every request in flight and give all KV memory back; return the dropped requests
+        (marked aborted). ``run`` calls it when it ends by an exception, so that one failed call
+        (a bad callback, Ctrl-C) never leaves stale requests behind for the next one."""
+        raise NotImplementedError
+
     # --- shared ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         """Reject what can never be served, with a message that says why (RequestError)."""
         if req.error:  # already found unservable while encoding the prompt
             raise RequestError(f"{req.request_id}: {req.error}")
         ids = req.prompt_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise RequestError(f"{req.request_id}: prompt_token_ids must be a list of token ids, "
+                               f"got {type(ids).__name__}")
         if not ids:
             raise RequestError(f"{req.request_id}: empty prompt")
+        wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if wrong:
+            raise RequestError(f"{req.request_id}: prompt token ids must be integers, got "
+                               f"{wrong[0]!r} ({type(wrong[0]).__name__})")
+        req.prompt_token_ids = ids = [int(t) for t in ids]   # numpy ints -> plain ints
         vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"{req.request_id}: prompt token id {bad[0]!r} outside the "
                                f"vocabulary [0, {vocab})")
@@ -105,8 +126,53 @@ class Engine:
                                   "abort needs 'dynamic' or 'paged'")
 
     def run(self, requests: list[Request], on_step: OnStep | None = None,
-            progress: bool = False) -> RunResult:
-        """Serve ``requests`` (each arriving ``arrival_offset_s`` after the start) to completion."""
+            progress: bool = False, on_output: OnOutput | None = None) -> RunResult:
+        """Serve ``requests`` (each arriving ``arrival_offset_s`` after the start) to completion.
+
+        ``on_step(snapshot, record)`` is called after every step; ``on_output(output)`` once per
+        request, as soon as it ends. If anything raises (a callback, Ctrl-C), every request still
+        in flight is aborted and its memory freed before the exception propagates: the engine is
+        clean for the next call. Calls from several threads are served one after another.
+        """
+        self.check_new_requests(requests)
+        with self._exclusive():
+            try:
+                return self._run(requests, on_step, progress, on_output)
+            except BaseException:
+                self.reset()
+                for req in requests:
+                    if not req.finished:
+                        req.finish(FinishReason.ABORT)
+                raise
+
+    @staticmethod
+    def check_new_requests(requests: list[Request]) -> None:
+        """Requests of one run must be fresh ``Request`` objects with unique ids."""
+        seen: set[str] = set()
+        for req in requests:
+            if not isinstance(req, Request):
+                raise ValueError(f"run() takes Request objects, got {type(req).__name__}")
+            if req.request_id in seen:
+                raise ValueError(f"duplicate request id {req.request_id!r}: ids must be unique")
+            if req.finished or req.arrival_time is not None or req.output_token_ids:
+                raise ValueError(f"request {req.request_id!r} has already been run: make a new "
+                                 "Request for each run")
+            seen.add(req.request_id)
+
+    @contextmanager
+    def _exclusive(self):
+        if self._run_thread == threading.get_ident():
+            raise RuntimeError(f"engine {self.name!r} is already running on this thread: run() "
+                               "and generate() cannot be called from inside their own callbacks")
+        with self._run_lock:
+            self._run_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._run_thread = None
+
+    def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
+             on_output: OnOutput | None) -> RunResult:
         t0 = time.perf_counter()
         pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
         done: dict[str, RequestOutput] = {}
@@ -116,35 +182,39 @@ class Engine:
         def finish(out: RequestOutput):
             done[out.request_id] = out
             bar.update(1)
+            if on_output is not None:
+                on_output(out)
 
-        while pending or self.has_unfinished():
-            now = time.perf_counter()
-            while pending and pending[0].arrival_offset_s <= now - t0:
-                req = pending.popleft()
-                req.arrival_time = t0 + req.arrival_offset_s
-                try:
-                    self.validate(req)
-                    self.add_request(req)
-                except RequestError as e:
-                    req.finish(FinishReason.ERROR, error=str(e))
-                    finish(RequestOutput.from_request(req))
-            if not self.has_unfinished():
-                if pending:  # idle until the next arrival
-                    time.sleep(max(0.0, pending[0].arrival_offset_s - (time.perf_counter() - t0)))
-                continue
-            out = self.step()
-            self.step_count += 1
-            record = StepRecord.with_usage(
-                self.kv_usage(), step=self.step_count, time_s=time.perf_counter() - t0,
-                prefill_ms=out.prefill_ms, decode_ms=out.decode_ms, batch_size=out.batch_size,
-                num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
-                num_running=self.num_running())
-            steps.append(record)
-            for req in out.finished:
-                finish(self.make_output(req))
-            if on_step is not None:
-                on_step(self.snapshot(), record)
-        bar.close()
+        try:
+            while pending or self.has_unfinished():
+                now = time.perf_counter()
+                while pending and pending[0].arrival_offset_s <= now - t0:
+                    req = pending.popleft()
+                    req.arrival_time = t0 + req.arrival_offset_s
+                    try:
+                        self.validate(req)
+                        self.add_request(req)
+                    except RequestError as e:
+                        req.finish(FinishReason.ERROR, error=str(e))
+                        finish(RequestOutput.from_request(req))
+                if not self.has_unfinished():
+                    if pending:  # idle until the next arrival
+                        time.sleep(max(0.0, pending[0].arrival_offset_s - (time.perf_counter() - t0)))
+                    continue
+                out = self.step()
+                self.step_count += 1
+                record = StepRecord.with_usage(
+                    self.kv_usage(), step=self.step_count, time_s=time.perf_counter() - t0,
+                    prefill_ms=out.prefill_ms, decode_ms=out.decode_ms, batch_size=out.batch_size,
+                    num_prefill_tokens=out.num_prefill_tokens,
+                    num_decode_tokens=out.num_decode_tokens, num_running=self.num_running())
+                steps.append(record)
+                for req in out.finished:
+                    finish(self.make_output(req))
+                if on_step is not None:
+                    on_step(self.snapshot(), record)
+        finally:
+            bar.close()
         duration = time.perf_counter() - t0
         outputs = [done[r.request_id] for r in requests]
         metrics = summarize(self.name, outputs, steps, duration, self.model.kv_bytes_per_token)

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
-from ..request import Request
+from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
 from .base import Engine, StepOutput, timed_ms
 
@@ -43,6 +43,14 @@ class NaiveEngine(Engine):
 
     def num_running(self) -> int:
         return int(self.current is not None)
+
+    def reset(self) -> list[Request]:
+        dropped = ([self.current] if self.current is not None else []) + list(self.waiting)
+        for r in dropped:
+            r.finish(FinishReason.ABORT)
+        self.waiting.clear()
+        self.current = self.cache = None
+        return dropped
 
     @torch.inference_mode()
     def step(self) -> StepOutput:

@@ -18,7 +18,7 @@ import torch
 from transformers import StaticCache
 
 from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
-from ..request import Request
+from ..request import FinishReason, Request, check_int
 from ..sampling import sample_next_tokens
 from .base import Engine, StepOutput, timed_ms
 from .padded import hf_forward, left_pad
@@ -29,9 +29,7 @@ class StaticBatchEngine(Engine):
 
     def __init__(self, model, batch_size: int = 32):
         super().__init__(model)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.batch_size = batch_size
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self.waiting: deque[Request] = deque()
         self.batch: list[Request] = []
         self.cache: StaticCache | None = None
@@ -45,6 +43,14 @@ class StaticBatchEngine(Engine):
 
     def num_running(self) -> int:
         return len(self.batch)
+
+    def reset(self) -> list[Request]:
+        dropped = [r for r in self.batch if not r.finished] + list(self.waiting)
+        for r in dropped:
+            r.finish(FinishReason.ABORT)
+        self.waiting.clear()
+        self.batch, self.cache, self.mask = [], None, None
+        return dropped
 
     @torch.inference_mode()
     def step(self) -> StepOutput:
@@ -88,8 +94,12 @@ class StaticBatchEngine(Engine):
 
     # --- memory: the reservation rows x (longest prompt + largest max_tokens) -------------------
     def _width(self) -> int:
+        """Columns the batch can reach: its longest prompt plus the most tokens any row may still
+        produce. Each row stops at its own context limit, but a short row sits behind left padding,
+        so the rectangle may be wider than the model's context."""
         longest = max(r.prompt_len for r in self.batch)
-        return min(longest + max(r.params.max_tokens for r in self.batch), self.max_model_len)
+        return longest + max(min(r.params.max_tokens, self.max_model_len - r.prompt_len)
+                             for r in self.batch)
 
     def _rows(self):
         if not self.batch:

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
-from ..request import FinishReason, Request
+from ..request import FinishReason, Request, check_int
 from ..sampling import sample_next_tokens
 from .base import Engine, StepOutput, timed_ms
 from .padded import PaddedKV, hf_forward, left_pad
@@ -36,9 +36,7 @@ class DynamicBatchEngine(Engine):
 
     def __init__(self, model, max_num_seqs: int = 32):
         super().__init__(model)
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = []   # row r of the rectangle; None = a hole
         self.kv: PaddedKV | None = None
@@ -66,6 +64,15 @@ class DynamicBatchEngine(Engine):
                 self.waiting.remove(r)
                 return self._aborted(r)
         return False
+
+    def reset(self) -> list[Request]:
+        dropped = [r for r in self.rows if r is not None and not r.finished] + list(self.waiting)
+        for r in dropped:
+            r.finish(FinishReason.ABORT)
+        dropped += self.aborted
+        self.waiting.clear()
+        self.rows, self.kv, self.aborted = [], None, []
+        return dropped
 
     def _aborted(self, req: Request) -> bool:
         req.finish(FinishReason.ABORT)

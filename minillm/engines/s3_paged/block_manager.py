@@ -103,10 +103,12 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def _needs_cow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Writing into a block that another sequence holds, or that the prefix cache lists under
+        other contents, must not change it for them: copy it first."""
         if num_new_tokens == 0 or seq.num_computed_tokens % self.block_size == 0:
             return False
-        last = seq.block_table[seq.num_computed_tokens // self.block_size]
-        return self.blocks[last].ref_count > 1
+        last = self.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]]
+        return last.ref_count > 1 or last.hash is not None
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make room for the next ``num_new_tokens`` K/V rows; return copy-on-write (src, dst)."""
@@ -134,6 +136,17 @@ class BlockManager:
             self.blocks[bid].ref_count += 1
         return child
 
+    def share_prompt(self, src: Sequence, dst: Sequence) -> None:
+        """``dst`` (no blocks yet) shares the blocks of ``src`` that hold the common prompt, and
+        starts with the prompt computed. Its first own token lands in the shared last prompt block
+        (when the prompt does not end on a block boundary) and copies it on write."""
+        assert not dst.block_table and src.num_computed_tokens >= src.prompt_len == dst.prompt_len
+        dst.block_table = src.block_table[:-(-src.prompt_len // self.block_size)]
+        for bid in dst.block_table:
+            self.blocks[bid].ref_count += 1
+        dst.num_computed_tokens = src.prompt_len
+        dst.num_cached_tokens = min(src.num_cached_tokens, src.prompt_len)
+
     def free(self, seq: Sequence) -> None:
         # Tail first: the prompt's prefix blocks then sit at the back of the free queue and are
         # evicted last, since they are the likeliest to be reused.
@@ -141,6 +154,14 @@ class BlockManager:
             self._release(bid)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def release_all(self) -> None:
+        """Every block back to the pool and the prefix cache emptied: for an engine reset, when no
+        sequence may hold anything any more."""
+        for b in self.blocks:
+            b.ref_count, b.hash, b.key = 0, None, None
+        self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached.clear()
 
     # --- prefix caching -------------------------------------------------------------------------
     def _keys(self, token_ids: list[int], num_blocks: int):

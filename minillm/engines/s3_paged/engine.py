@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from ...memory import KVUsage, MemorySnapshot
-from ...request import FinishReason, Request, RequestError, RequestOutput, stop_reason
+from ...request import FinishReason, Request, RequestError, check_int, stop_reason
 from ...sampling import sample_tokens
 from ..base import Engine, StepOutput
 from .attention import TorchAttention
@@ -45,8 +45,12 @@ class PagedEngine(Engine):
                  max_num_seqs: int = 64, enable_prefix_caching: bool = False,
                  policy: str = "fcfs", attention_backend: str | None = None):
         super().__init__(model)
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        block_size = check_int("block_size", block_size, 1)
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got "
+                             f"{enable_prefix_caching!r}")
         num_blocks = self.pool_size(block_size, num_blocks, kv_cache_bytes, max_num_seqs)
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
@@ -59,19 +63,19 @@ class PagedEngine(Engine):
 
     def pool_size(self, block_size: int, num_blocks: int | None, kv_cache_bytes: int | None,
                   max_num_seqs: int) -> int:
-        """Blocks in the pool: given directly, or as many as a byte budget holds."""
+        """Blocks in the pool: given directly, or as many as a byte budget holds (default 1 GiB,
+        but no more than every sequence at full length could use)."""
         if num_blocks is not None:
-            if num_blocks < 1:
-                raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-            return num_blocks
+            return check_int("num_blocks", num_blocks, 1)
         block_bytes = block_size * self.model.kv_bytes_per_token
-        n = (kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // block_bytes
-        if kv_cache_bytes is not None and n < 1:
+        if kv_cache_bytes is None:
+            n = DEFAULT_KV_CACHE_BYTES // block_bytes
+            return int(min(n, max_num_seqs * -(-self.max_model_len // block_size)))
+        kv_cache_bytes = check_int("kv_cache_bytes", kv_cache_bytes, 1)
+        if kv_cache_bytes < block_bytes:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one block "
                              f"({block_bytes} bytes)")
-        if kv_cache_bytes is None:  # no point holding more than every sequence at full length
-            n = min(n, max_num_seqs * -(-self.max_model_len // block_size))
-        return int(n)
+        return kv_cache_bytes // block_bytes
 
     # --- requests ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -94,6 +98,8 @@ class PagedEngine(Engine):
                                f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens}")
 
     def add_request(self, req: Request) -> None:
+        if req.request_id in self.groups:
+            raise RequestError(f"{req.request_id}: a request with this id is already in flight")
         seq = Sequence(req, list(req.prompt_token_ids), req.prompt_len)
         group = SequenceGroup(req, [seq], self.num_arrived)
         self.num_arrived += 1
@@ -107,14 +113,24 @@ class PagedEngine(Engine):
         return len(self.scheduler.running)
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request now: its blocks go back to the pool at once."""
+        """Cancel a request now: its blocks go back to the pool at once; every sample keeps the
+        tokens it has so far."""
         group = self.groups.get(request_id)
         if group is None or group.request.finished:
             return False
-        self.scheduler.finish(group)
-        group.request.finish(FinishReason.ABORT)
-        self.aborted.append(group.request)
+        self.aborted.append(self._finish_group(group, FinishReason.ABORT))
         return True
+
+    def reset(self) -> list[Request]:
+        dropped = [self._finish_group(g, FinishReason.ABORT) for g in list(self.groups.values())]
+        dropped += self.aborted
+        self.aborted = []
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        bm = self.block_manager
+        if bm.num_free_blocks != bm.num_blocks:   # interrupted between a fork and its commit
+            bm.release_all()
+        return dropped
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -156,7 +172,7 @@ class PagedEngine(Engine):
             if group.request.params.beam_width > 1:
                 self._beam_step(group)
             if not group.seqs:
-                self._finish_group(group, out)
+                out.finished.append(self._finish_group(group))
 
     def _sample(self, rows: list[int], seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample for plain sequences; the first token of an n > 1 request forks the prompt."""
@@ -253,22 +269,25 @@ class PagedEngine(Engine):
         group.done_seqs.sort(key=lambda s: -s.cum_logprob)
         del group.done_seqs[group.request.params.beam_width:]
 
-    def _finish_group(self, group: SequenceGroup, out: StepOutput) -> None:
+    def _finish_group(self, group: SequenceGroup, reason: FinishReason | None = None) -> Request:
+        """End a request: free its blocks and record its samples, best first (beams by score,
+        parallel samples in order). ``reason`` (an abort) also ends the sequences still running,
+        which keep their partial tokens."""
         req = group.request
+        for seq in group.seqs:
+            seq.finish_reason = reason
+            seq.cum_logprob /= max(1, len(seq.output_token_ids))   # as a finished hypothesis
+        done = group.done_seqs + group.seqs
         self.scheduler.finish(group)
-        if req.params.beam_width == 1:
-            group.done_seqs.sort(key=lambda s: s.sample_id)
-        best = group.done_seqs[0]
-        req.output_token_ids = list(best.output_token_ids)
-        req.finish(best.finish_reason)
-        out.finished.append(req)
-
-    def make_output(self, req: Request) -> RequestOutput:
-        out = super().make_output(req)
-        group = self.groups.pop(req.request_id, None)
-        if group is not None and group.done_seqs:
-            out.samples = [list(s.output_token_ids) for s in group.done_seqs]
-        return out
+        if req.params.beam_width > 1:
+            done.sort(key=lambda s: -s.cum_logprob)
+        else:
+            done.sort(key=lambda s: s.sample_id)
+        req.samples = [list(s.output_token_ids) for s in done]
+        req.output_token_ids = list(req.samples[0])
+        req.finish(reason or done[0].finish_reason)
+        del self.groups[req.request_id]
+        return req
 
     # --- memory -----------------------------------------------------------------------------------
     def _live_seqs(self) -> list[Sequence]:

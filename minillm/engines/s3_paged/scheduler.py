@@ -15,6 +15,11 @@ lowest-ranked running request (the newest, under FCFS): frees all its blocks and
 the front of the waiting queue, to be recomputed later from its tokens (recompute preemption).
 The request being scheduled can always evict everyone ranked below it, and a request alone in
 the pool always fits (checked on arrival), so this never deadlocks.
+
+A preempted request with several sequences (n > 1 samples, beams) recomputes its prompt *once*:
+its first sequence computes the prompt alone, then the others adopt those blocks (as the original
+fork did) and compute only their own tokens. Recomputing each sample's prompt separately would need
+more blocks than the request was admitted with, and could never fit a tight pool.
 """
 from __future__ import annotations
 
@@ -109,10 +114,13 @@ class Scheduler:
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
         if all(s.num_uncomputed == 1 for s in group.seqs) and len(group.seqs) > budget:
             return budget  # beams and samples decode together, or not at all this step
+        self._readopt_prompt(group)
         for seq in group.seqs:
-            num_new = min(seq.num_uncomputed, budget)
+            num_new = self._num_to_compute(group, seq, budget)
             if num_new == 0:
-                break
+                if budget == 0:
+                    break
+                continue       # done for now (a beam waiting for its siblings), or waiting to adopt
             while not self.bm.can_append(seq, num_new):
                 victim = self.running[-1]
                 self.preempt(victim, out)
@@ -126,12 +134,16 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             group = self.waiting[0]
+            leader = group.seqs[0]
+            if not leader.block_table:
+                self.bm.allocate_cached_prefix(leader)
+            self._readopt_prompt(group)
             planned = []
             for seq in group.seqs:
-                if not seq.block_table:
-                    self.bm.allocate_cached_prefix(seq)
-                num_new = min(seq.num_uncomputed, budget - sum(n for _, n in planned))
-                if num_new == 0 or not self.bm.can_append(seq, num_new):
+                num_new = self._num_to_compute(group, seq, budget - sum(n for _, n in planned))
+                if num_new == 0:
+                    continue
+                if not self.bm.can_append(seq, num_new):
                     break
                 out.copies += self.bm.append_slots(seq, num_new)
                 planned.append((seq, num_new))
@@ -145,6 +157,26 @@ class Scheduler:
             budget -= sum(n for _, n in planned)
         return budget
 
+    def _readopt_prompt(self, group: SequenceGroup) -> None:
+        """After a preemption: once the first sequence has the prompt's K/V again, every sibling
+        without blocks shares them (reference counts, no copy), exactly as when it was forked."""
+        leader = group.seqs[0]
+        if leader.num_computed_tokens < leader.prompt_len:
+            return
+        for seq in group.seqs[1:]:
+            if not seq.block_table:
+                self.bm.share_prompt(leader, seq)
+
+    def _num_to_compute(self, group: SequenceGroup, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` to compute this step, within ``budget``. While siblings wait to adopt
+        the prompt, the first sequence stops at the prompt's end so they can share it."""
+        if seq is not group.seqs[0]:
+            if not seq.block_table:
+                return 0                        # waits for the first sequence's prompt
+        elif any(not s.block_table for s in group.seqs[1:]):
+            return max(0, min(budget, seq.prompt_len - seq.num_computed_tokens))
+        return min(seq.num_uncomputed, budget)
+
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Recompute preemption: drop all of the group's KV; its tokens stay, so nothing is lost
         but the work of computing them again."""
@@ -154,6 +186,7 @@ class Scheduler:
         out.copies[:] = [(src, dst) for src, dst in out.copies if dst not in dropped]
         for seq in group.seqs:
             self.bm.free(seq)
+            seq.pending_logprobs = None         # a beam's logits are recomputed with its KV
         group.request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(group)
