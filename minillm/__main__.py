@@ -2,10 +2,23 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
+import tempfile
+from dataclasses import dataclass
 
 from .engines import ENGINES
+
+GENERATE_HELP = """\
+Generate for every non-blank line of a UTF-8 JSONL file (a leading BOM is ignored): an object with
+one of "prompt", "messages", "prompt_token_ids", and optionally "id", "max_tokens", "temperature",
+"top_p", "top_k", "seed", "n", "beam_width", "priority", "ignore_eos". --out gets one line per
+input line, in order: a result, or {"id", "error"}; it is replaced atomically, never left
+half-written. Exit status: 0 all ok, 1 some lines failed, 2 a problem found before generating
+(unreadable --prompts, unwritable --out, bad model or engine options), 130 interrupted (Ctrl-C):
+the lines that finished are kept, the others get an "interrupted" error."""
 
 # JSONL fields a generate line may carry, and their types
 LINE_FIELDS = {"id": (str, int), "messages": list, "prompt": str, "prompt_token_ids": list,
@@ -37,12 +50,36 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
-def parse_line(lineno: int, line: str, defaults: dict) -> tuple[object, dict, dict]:
-    """One JSONL line -> (prompt, SamplingParams kwargs, extras); ValueError names the problem."""
+@dataclass
+class Line:
+    """One non-blank input line: its id, and either an error or what to generate."""
+
+    lineno: int
+    id: object
+    error: str | None = None
+    spec: tuple | None = None   # (prompt, SamplingParams kwargs, extras)
+
+    @property
+    def request_id(self) -> str:
+        return f"line-{self.lineno}"
+
+
+def load_json(lineno: int, raw: bytes):
     try:
-        obj = json.loads(line)
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        why = f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
     except json.JSONDecodeError as e:
-        raise ValueError(f"line {lineno}: invalid JSON ({e.msg})") from None
+        why = f"invalid JSON ({e.msg})"
+    except RecursionError:
+        why = "invalid JSON (nested too deeply)"
+    except ValueError as e:   # e.g. an integer literal too long to convert
+        why = f"invalid JSON ({e})"
+    raise ValueError(f"line {lineno}: {why}")
+
+
+def parse_line(lineno: int, obj, defaults: dict) -> tuple[object, dict, dict]:
+    """A decoded JSONL line -> (prompt, SamplingParams kwargs, extras); ValueError says why not."""
     if not isinstance(obj, dict):
         raise ValueError(f"line {lineno}: expected a JSON object")
     unknown = sorted(set(obj) - set(LINE_FIELDS))
@@ -60,57 +97,131 @@ def parse_line(lineno: int, line: str, defaults: dict) -> tuple[object, dict, di
     return {sources[0]: obj[sources[0]]}, params, {"priority": obj.get("priority", 0)}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .request import Request, SamplingParams
+def read_lines(path: str, defaults: dict) -> list[Line]:
+    """Parse each non-blank line of the JSONL file ``path`` (OSError if it cannot be read); a bad
+    line (not UTF-8, not JSON, wrong fields) gets its error. A leading UTF-8 BOM is dropped."""
+    with open(path, "rb") as f:
+        data = f.read().removeprefix(b"\xef\xbb\xbf")
+    lines = []
+    for lineno, raw in enumerate(data.splitlines(), 1):
+        if not raw.decode("utf-8", "replace").strip():
+            continue
+        line = Line(lineno, lineno)
+        try:
+            obj = load_json(lineno, raw)
+            line.id = obj.get("id", lineno) if isinstance(obj, dict) else lineno
+            line.spec = parse_line(lineno, obj, defaults)
+        except ValueError as e:
+            line.error = str(e)
+        lines.append(line)
+    return lines
 
-    try:
-        llm = LLM(args.model, engine=args.engine, **engine_options(args))
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
-                                  ("seed", args.seed)) if v is not None}
-    with open(args.prompts, encoding="utf-8") as f:
-        lines = [(i, ln) for i, ln in enumerate(f, 1) if ln.strip()]
-    ids, requests, errors = [], [], {}
-    for lineno, line in lines:
+
+def make_requests(llm, lines: list[Line]) -> list:
+    """A Request per parsed line; a line whose sampling parameters are invalid gets its error."""
+    from .request import SamplingParams
+
+    requests = []
+    for line in (line for line in lines if not line.error):
+        prompt, params, extra = line.spec
         try:
-            obj_id = json.loads(line).get("id", lineno) if line.lstrip().startswith("{") else lineno
-        except json.JSONDecodeError:
-            obj_id = lineno
-        ids.append(obj_id)
-        try:
-            prompt, params, extra = parse_line(lineno, line, defaults)
             req = llm.make_requests([prompt], [SamplingParams(**params)])[0]
         except ValueError as e:
-            msg = str(e) if str(e).startswith("line ") else f"line {lineno}: {e}"
-            errors[len(ids) - 1] = msg
+            line.error = f"line {line.lineno}: {e}"
             continue
-        req.request_id, req.priority = f"line-{lineno}", extra["priority"]
-        requests.append((len(ids) - 1, req))
-    result = llm.run([r for _, r in requests], progress=not args.quiet)
-    outputs = dict(zip((i for i, _ in requests), result.outputs))
-    failed = 0
-    with open(args.out, "w", encoding="utf-8") as f:
-        for i, obj_id in enumerate(ids):
-            out = outputs.get(i)
-            if out is None or out.error:
-                failed += 1
-                lineno = lines[i][0]   # engine errors start with the request id, "line-N: "
-                err = errors.get(i) or f"line {lineno}: {out.error.removeprefix(f'line-{lineno}: ')}"
-                f.write(json.dumps({"id": obj_id, "error": err}) + "\n")
-                continue
-            row = {"id": obj_id, "text": out.text, "token_ids": out.token_ids,
-                   "finish_reason": out.finish_reason.value, "ttft_s": out.ttft_s,
-                   "latency_s": out.latency_s}
-            if len(out.samples) > 1:
-                row["samples"] = out.samples
-            f.write(json.dumps(row) + "\n")
-    m = result.metrics
-    print(f"{len(ids) - failed}/{len(ids)} ok, {m.output_tokens} tokens in {m.duration_s:.1f}s "
-          f"({m.output_tok_s:.1f} tok/s) -> {args.out}", file=sys.stderr)
-    return 1 if failed else 0
+        req.request_id, req.priority = line.request_id, extra["priority"]
+        requests.append(req)
+    return requests
+
+
+def output_row(line: Line, out) -> dict:
+    if line.error:
+        return {"id": line.id, "error": line.error}
+    if out is None:
+        return {"id": line.id, "error": f"line {line.lineno}: interrupted before it finished"}
+    if out.error:   # engine errors start with the request id, "line-N: "
+        return {"id": line.id, "error": f"line {line.lineno}: "
+                                        f"{out.error.removeprefix(line.request_id + ': ')}"}
+    row = {"id": line.id, "text": out.text, "token_ids": out.token_ids,
+           "finish_reason": out.finish_reason.value, "ttft_s": out.ttft_s,
+           "latency_s": out.latency_s}
+    if len(out.samples) > 1:
+        row["samples"] = out.samples
+    return row
+
+
+def write_rows(path: str, rows, check_only: bool = False) -> None:
+    """Write JSONL rows atomically: a temp file beside ``path`` (a symlink's target), renamed onto
+    it once complete; a device or pipe (``/dev/null``) is written in place. ``check_only``: just
+    create and remove that temp file, so an OSError says now, before any work, that we can't."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        if not check_only:   # (opening a pipe would wait for its reader)
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        return
+    path = os.path.realpath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+            f.flush()
+            os.fsync(f.fileno())
+        if not check_only:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)   # mkstemp made it 0600: give it a new file's mode
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                                  ("seed", args.seed)) if v is not None}
+    try:
+        lines = read_lines(args.prompts, defaults)
+    except OSError as e:
+        return fail(f"cannot read --prompts {args.prompts}: {e.strerror or e}")
+    try:
+        write_rows(args.out, [], check_only=True)
+    except OSError as e:
+        return fail(f"cannot write --out {args.out}: {e.strerror or e}")
+
+    from .llm import LLM
+    try:
+        llm = LLM(args.model, engine=args.engine, **engine_options(args))
+    except (ValueError, RuntimeError, OSError) as e:
+        return fail(str(e))
+    requests, outputs, metrics = make_requests(llm, lines), {}, None
+    try:   # on Ctrl-C the engine aborts what is in flight; keep the outputs that finished
+        metrics = llm.run(requests, progress=not args.quiet,
+                          on_output=lambda out: outputs.__setitem__(out.request_id, out)).metrics
+    except KeyboardInterrupt:
+        pass
+    rows = [output_row(line, outputs.get(line.request_id)) for line in lines]
+    try:
+        write_rows(args.out, rows)
+    except OSError as e:
+        return fail(f"cannot write --out {args.out}: {e.strerror or e}")
+    ok = sum("error" not in row for row in rows)
+    if metrics is None:
+        print(f"interrupted: {ok}/{len(rows)} ok, {len(requests) - len(outputs)} unfinished "
+              f"-> {args.out}", file=sys.stderr)
+        return 130
+    print(f"{ok}/{len(rows)} ok, {metrics.output_tokens} tokens in {metrics.duration_s:.1f}s "
+          f"({metrics.output_tok_s:.1f} tok/s) -> {args.out}", file=sys.stderr)
+    return 1 if ok < len(rows) else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -122,15 +233,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate for every line of a JSONL file")
+    g = sub.add_parser("generate", help="generate for every line of a JSONL file",
+                       description=GENERATE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--engine", default="paged", choices=ENGINES)
     g.add_argument("--model", default="smollm2-135m-instruct")
     g.add_argument("--prompts", required=True, help="input JSONL")
-    g.add_argument("--out", required=True, help="output JSONL (same order)")
+    g.add_argument("--out", required=True, help="output JSONL (same order; replaced atomically)")
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--temperature", type=float)
     g.add_argument("--seed", type=int)
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_options(g)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="run engines side by side on one workload")
@@ -143,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:   # Ctrl-C outside generation (loading the model, writing --out)
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

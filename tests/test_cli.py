@@ -2,9 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,3 +76,180 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert exp["parallel"]["n4"]["peak_blocks"] < exp["parallel"]["independent"]["peak_blocks"]
     assert exp["capacity"]["paged_peak_concurrency"] > exp["capacity"]["reservation_concurrency"]
     assert "| engine | tok/s |" in r.stdout
+
+
+# --- generate: bad input, bad --out, atomic output, Ctrl-C --------------------------------------
+def generate(tmp_path, data: bytes, *extra, out=None):
+    """Run ``generate`` in this process on input ``data``: (exit code, out path)."""
+    from minillm.__main__ import main
+
+    src, dst = tmp_path / "in.jsonl", out or tmp_path / "out.jsonl"
+    src.write_bytes(data)
+    code = main(["generate", "--model", "tiny-llama", "--prompts", str(src), "--out", str(dst),
+                 "--max-tokens", "3", "--quiet", *extra])
+    return code, dst
+
+
+def no_model(monkeypatch):
+    """Make loading a model fail loudly: the error must come before it."""
+    from minillm.llm import LLM
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(LLM, "__init__", refuse)
+
+
+def test_generate_bom_bad_utf8_deep_nesting_and_bad_messages(tmp_path, capsys):
+    data = b"\n".join([
+        b"\xef\xbb\xbf" + json.dumps({"id": "a", "prompt": "hello"}).encode(),   # BOM: dropped
+        b'{"id": "b", "prompt": "caf\xe9"}',          # Latin-1, not UTF-8
+        b"[" * 100_000,                               # json raises RecursionError
+        json.dumps({"messages": [{"content": "hi"}]}).encode(),   # no role
+        json.dumps({"id": "e", "prompt_token_ids": [5, 6, 7]}).encode(),
+    ]) + b"\n"
+    code, dst = generate(tmp_path, data)
+    assert code == 1
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["a", 2, 3, 4, "e"]
+    assert [o["id"] for o in out if "error" not in o] == ["a", "e"]
+    errors = {o["id"]: o["error"] for o in out if "error" in o}
+    assert errors[2].startswith("line 2: not valid UTF-8")
+    assert errors[3] == "line 3: invalid JSON (nested too deeply)"
+    assert errors[4].startswith("line 4: messages[0] must be a dict with string 'role'")
+    assert capsys.readouterr().err.startswith("2/5 ok")
+
+
+def test_generate_missing_prompts_fails_before_loading(tmp_path, capsys, monkeypatch):
+    from minillm.__main__ import main
+
+    no_model(monkeypatch)
+    code = main(["generate", "--model", "tiny-llama", "--prompts", str(tmp_path / "nope.jsonl"),
+                 "--out", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: cannot read --prompts ") and "No such file or directory" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("case", ["directory", "missing-dir", "no-permission"])
+def test_generate_unwritable_out_fails_before_loading(tmp_path, capsys, monkeypatch, case):
+    if case == "no-permission" and os.geteuid() == 0:
+        pytest.skip("root may write anywhere")
+    out = {"directory": tmp_path, "missing-dir": tmp_path / "no" / "out.jsonl",
+           "no-permission": tmp_path / "ro" / "out.jsonl"}[case]
+    if case == "no-permission":
+        out.parent.mkdir()
+        out.parent.chmod(0o500)
+    no_model(monkeypatch)
+    code, _ = generate(tmp_path, b'{"prompt": "hi"}\n', out=out)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: cannot write --out {out}: ")
+    assert {"directory": "Is a directory", "missing-dir": "No such file or directory",
+            "no-permission": "Permission denied"}[case] in err
+    assert not [p for p in tmp_path.rglob("*") if p.name != "in.jsonl"
+                and (case != "no-permission" or p != out.parent)]   # no out, no temp file
+
+
+def test_out_is_never_half_written(tmp_path, monkeypatch):
+    from minillm.__main__ import write_rows
+    from minillm.llm import LLM
+
+    dst = tmp_path / "out.jsonl"
+    dst.write_text("old\n")
+
+    def rows():   # fails while writing
+        yield {"id": 1}
+        raise RuntimeError("disk on fire")
+    with pytest.raises(RuntimeError):
+        write_rows(str(dst), rows())
+    assert dst.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+    run = LLM.run   # a bug after the model loaded: a traceback, and --out untouched
+
+    def failing_run(self, requests, on_output=None, **kw):
+        def on_out(out):
+            on_output(out)
+            raise RuntimeError("bug in a callback")
+        return run(self, requests, on_output=on_out, **kw)
+    monkeypatch.setattr(LLM, "run", failing_run)
+    with pytest.raises(RuntimeError, match="bug in a callback"):
+        generate(tmp_path, b'{"prompt": "hi"}\n{"prompt": "ho"}\n', out=dst)
+    assert dst.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+    monkeypatch.setattr(LLM, "run", run)   # and when all goes well: a normal file, replaced
+    code, _ = generate(tmp_path, b'{"prompt": "hi"}\n', out=dst)
+    assert code == 0 and "text" in json.loads(dst.read_text())
+    assert dst.stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_generate_interrupt_keeps_finished_lines(tmp_path, capsys, monkeypatch):
+    from minillm.llm import LLM
+
+    run = LLM.run
+
+    def interrupted_run(self, requests, on_output=None, **kw):   # Ctrl-C after two outputs
+        seen = []
+
+        def on_out(out):
+            on_output(out)
+            seen.append(out)
+            if len(seen) == 2:
+                raise KeyboardInterrupt
+        return run(self, requests, on_output=on_out, **kw)
+    monkeypatch.setattr(LLM, "run", interrupted_run)
+    lines = [json.dumps({"id": i, "prompt_token_ids": [5, 6], "max_tokens": 5, "ignore_eos": True})
+             for i in range(5)] + ["{bad"]
+    code, dst = generate(tmp_path, "\n".join(lines).encode(), "--max-num-seqs", "1")
+    assert code == 130
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == [0, 1, 2, 3, 4, 6]
+    assert [len(o["token_ids"]) for o in out[:2]] == [5, 5]
+    assert [o["error"] for o in out[2:5]] == [f"line {i}: interrupted before it finished"
+                                              for i in (3, 4, 5)]
+    assert "invalid JSON" in out[5]["error"]
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: 2/6 ok, 3 unfinished") and err.count("\n") == 1
+
+
+def test_generate_ctrl_c_for_real(tmp_path):
+    """SIGINT to a running ``generate``: exit 130, every line answered, no traceback."""
+    n, max_tokens = 100, 150
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": "go", "max_tokens": max_tokens,
+                                       "ignore_eos": True}) + "\n" for i in range(n)))
+    proc = subprocess.Popen(   # SIGINT back to its default: the test may run in the background
+        [sys.executable, "-m", "minillm", "generate", "--model", "tiny-llama", "--prompts",
+         str(src), "--out", str(dst), "--max-num-seqs", "1"], cwd=ROOT, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")),
+                              daemon=True)
+    reader.start()
+    try:   # the progress bar shows the first finished line (or give up waiting and interrupt)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None \
+                and not re.search(rf"\b[1-9]\d*/{n}\b", "".join(err)):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    err = "".join(err)
+    assert code == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted: " in err
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == list(range(n))
+    done = [o for o in out if "error" not in o]
+    assert all(len(o["token_ids"]) == max_tokens for o in done)
+    assert all(o["error"] == f"line {o['id'] + 1}: interrupted before it finished"
+               for o in out if "error" in o)
+    assert len(done) < n   # 15,000 decode steps, one request at a time, take a while
