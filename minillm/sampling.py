@@ -58,5 +58,5 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 def sample_one(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int:
     """Inverse-CDF sampling with a given uniform ``u`` in [0, 1)."""
     probs, ids = filtered_probs(logits, temperature, top_k, top_p)
-    idx = int(torch.searchsorted(probs.cumsum(0), torch.tensor([u], dtype=probs.dtype)).item())
+    idx = int(torch.searchsorted(probs.cumsum(0), probs.new_tensor([u])).item())
     return int(ids[min(idx, len(ids) - 1)])

@@ -52,6 +52,8 @@ def python_kernel() -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
+    if path.stem == "04_triton_kernels":   # step 4 runs Triton's kernels; the others need no triton
+        pytest.importorskip("triton", reason="notebook 04 needs triton (Linux wheels only)")
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 

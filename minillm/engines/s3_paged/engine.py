@@ -26,14 +26,17 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 def get_attention_backend(name: str | None, device: torch.device):
-    """``torch`` (reference) or ``triton`` (step 4); default triton on CUDA, torch on CPU."""
-    name = name or ("triton" if device.type == "cuda" else "torch")
+    """``torch`` (reference) or ``triton`` (step 4); default triton on CUDA when it is installed,
+    torch otherwise. Asking for triton where it cannot run raises ``TritonUnavailableError``."""
+    if name is None:
+        from ..s4_triton import triton_available
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
     if name == "torch":
         return TorchAttention()
     if name == "triton":
         from ..s4_triton import TritonAttention  # sets TRITON_INTERPRET=1 on CPU first
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}: choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention_backend {name!r}: choose 'torch' or 'triton'")
 
 
 class PagedEngine(Engine):

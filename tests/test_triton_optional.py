@@ -1,0 +1,105 @@
+"""Triton is optional: requirements.txt installs it only on Linux (the only wheels there are).
+
+Everything but step 4 must import and run without it, and asking for step 4's attention backend
+without it must say what to do instead of failing deep inside an import. Triton is hidden here
+(``sys.modules["triton"] = None`` makes ``import triton`` raise ImportError), so these tests run
+the same whether or not it is installed.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import minillm.engines.s4_triton as s4
+from minillm.engines.s3_paged.engine import get_attention_backend
+
+CPU = torch.device("cpu")
+
+# Run in a fresh interpreter where triton cannot be imported: every module but step 4's kernels
+# imports, and the paged engine generates with the torch backend (the CPU default).
+WITHOUT_TRITON = r"""
+import importlib, pkgutil, sys
+sys.modules["triton"] = None
+import minillm
+skip = ("minillm.engines.s4_triton.backend", "minillm.engines.s4_triton.kernels")
+names = [m.name for m in pkgutil.walk_packages(minillm.__path__, "minillm.") if m.name not in skip]
+for name in names:
+    importlib.import_module(name)
+from minillm import LLM, SamplingParams
+llm = LLM(model="tiny-llama", engine="paged", device="cpu")
+out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+assert [len(o.token_ids) for o in out] == [4, 4] and not any(o.error for o in out), out
+assert type(llm.engine.backend).__name__ == "TorchAttention", llm.engine.backend
+print("ok", len(names), "modules")
+"""
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+
+
+def test_triton_backend_without_triton_says_what_to_do(no_triton, monkeypatch):
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(s4.platform, "machine", lambda: "x86_64")
+    assert not s4.triton_available()
+    with pytest.raises(s4.TritonUnavailableError) as e:
+        get_attention_backend("triton", CPU)
+    msg = str(e.value)
+    assert isinstance(e.value, ImportError)
+    assert "needs the triton package" in msg and "pip install triton" in msg
+    assert "attention_backend='torch'" in msg
+    with pytest.raises(ImportError, match="pip install triton"):
+        from minillm.engines.s4_triton import TritonAttention  # noqa: F401
+    assert type(get_attention_backend("torch", CPU)).__name__ == "TorchAttention"
+
+
+@pytest.mark.parametrize("plat,machine", [("darwin", "arm64"), ("win32", "AMD64")])
+def test_no_wheel_platforms_are_told_so(no_triton, monkeypatch, plat, machine):
+    monkeypatch.setattr(sys, "platform", plat)
+    monkeypatch.setattr(s4.platform, "machine", lambda: machine)
+    with pytest.raises(s4.TritonUnavailableError) as e:
+        s4.require_triton()
+    msg = str(e.value)
+    assert f"no wheel for {plat}/{machine}" in msg and "attention_backend='torch'" in msg
+    assert "pip install triton" not in msg
+
+
+def test_interpreter_switched_off_without_cuda(monkeypatch):
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the kernels run natively")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(s4.TritonUnavailableError, match="TRITON_INTERPRET='0'"):
+        s4.require_triton()
+
+
+def test_old_interpreter_with_new_numpy_is_refused(monkeypatch):
+    """triton < 3.7's CPU interpreter fails deep inside a kernel with numpy >= 2.4: say so first."""
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the kernels run natively")
+    import numpy
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(numpy, "__version__", "2.4.0")
+    assert not s4.triton_available()
+    with pytest.raises(s4.TritonUnavailableError, match=r"triton 3\.6\.0 fails with numpy 2\.4\.0"):
+        s4.require_triton()
+    monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    assert s4.triton_available()
+    s4.require_triton()
+    monkeypatch.setattr(numpy, "__version__", "2.4.0")
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.7.1"))
+    assert s4.triton_available()
+    s4.require_triton()
+
+
+def test_everything_but_step4_runs_without_triton():
+    r = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok")
