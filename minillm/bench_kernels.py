@@ -137,7 +137,7 @@ def correctness_sweep(quick: bool, device: str, tol: float = 1e-4) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Timing (CUDA only)
 # ----------------------------------------------------------------------------------------------
-def copy_bandwidth() -> float:
+def copy_bandwidth(device: str = "cuda") -> float:
     """Bytes/s of a large device-to-device copy: the practical ceiling for a streaming kernel."""
     import triton.testing
 
