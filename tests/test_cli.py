@@ -131,6 +131,18 @@ def test_generate_missing_prompts_fails_before_loading(tmp_path, capsys, monkeyp
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("flags,words", [
+    (("--max-num-seqs", "0"), "error: max_num_seqs must be an integer >= 1, got 0"),
+    (("--kv-cache-bytes", "0"), "error: kv_cache_bytes must be an integer >= 1, got 0"),
+    (("--block-size", "-4"), "error: block_size must be an integer >= 1, got -4"),
+])
+def test_generate_bad_engine_option_names_it(tmp_path, capsys, flags, words):
+    code, dst = generate(tmp_path, b'{"prompt": "hi"}\n', *flags)
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == words
+    assert not dst.exists()
+
+
 @pytest.mark.parametrize("case", ["directory", "missing-dir", "no-permission"])
 def test_generate_unwritable_out_fails_before_loading(tmp_path, capsys, monkeypatch, case):
     if case == "no-permission" and os.geteuid() == 0:

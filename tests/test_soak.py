@@ -30,6 +30,7 @@ import torch
 
 from minillm import FinishReason, Request, RequestError, SamplingParams, load_model
 from minillm.engines import create_engine
+from minillm.engines.s3_paged.block_manager import blocks_for_request
 from minillm.request import RequestOutput
 
 BLOCK_SIZES = (1, 2, 4, 8, 16)
@@ -99,19 +100,11 @@ class Op:
         return f"abort({self.target})" if self.kind == "abort" else "step"
 
 
-def blocks_needed(prompt_len: int, max_tokens: int, width: int, block_size: int) -> int:
-    """What ``PagedEngine.validate`` asks of the pool for one request alone (sizes tight pools)."""
-    cdiv = lambda a: -(-a // block_size)  # noqa: E731
-    if width > 1:   # shared prompt blocks + each sample's own blocks (+1 copy-on-write)
-        return cdiv(prompt_len) + width * (cdiv(max_tokens) + 1)
-    return cdiv(prompt_len + max_tokens)
-
-
 def make_config(seed: int, block_size: int, prefix: bool, policy: str, tight: bool,
                 kinds: tuple[str, ...]) -> SoakConfig:
     rng = random.Random(f"config-{seed}")
     max_width = max({"n1": 1, "nmany": 4, "beam": 3}[k] for k in kinds)
-    worst = max(blocks_needed(MAX_PROMPT, MAX_TOKENS, w, block_size) for w in {1, max_width})
+    worst = max(blocks_for_request(MAX_PROMPT, MAX_TOKENS, w, block_size) for w in {1, max_width})
     num_blocks = worst + rng.randint(0, 2) if tight else worst * rng.randint(3, 6)
     return SoakConfig(seed, block_size, num_blocks,
                       max_num_batched_tokens=rng.choice([8, 12, 16, 24, 32, 48, 64]),

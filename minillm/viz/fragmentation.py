@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engines.s3_paged.block_manager import BlockManager
+from ..engines.s3_paged.block_manager import BlockManager, blocks_for_request
 from ..engines.s3_paged.scheduler import Scheduler, SequenceGroup
 from ..engines.s3_paged.sequence import Sequence
 from ..memory import CACHED, FREE, PADDING, RESERVED, TOKEN, MemorySnapshot
@@ -245,11 +245,9 @@ class PagedSim:
         """A request must fit the pool when alone (then preemption always lets it progress):
         its prompt's blocks, plus, per sample, its output's blocks and one copied-on-write block.
         (``PagedEngine.validate`` intends the same bound.)"""
-        bs, width = self.cfg.block_size, r.n
         longest = min(r.prompt_len + r.max_tokens, self.cfg.max_model_len)
-        need = -(-r.prompt_len // bs) + width * (-(-(longest - r.prompt_len) // bs) + 1) \
-            if width > 1 else -(-longest // bs)
-        return need <= self.bm.num_blocks and width <= self.cfg.max_num_batched_tokens
+        need = blocks_for_request(r.prompt_len, longest - r.prompt_len, r.n, self.cfg.block_size)
+        return need <= self.bm.num_blocks and r.n <= self.cfg.max_num_batched_tokens
 
     def add(self, r: SimRequest) -> None:
         params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, n=r.n)

@@ -51,6 +51,18 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def blocks_for_request(prompt_len: int, num_output_tokens: int, width: int, block_size: int) -> int:
+    """The most blocks one request can hold at once when it runs alone: the prompt's blocks, plus
+    for each of ``width`` samples or beams its output's blocks and one copied-on-write block (the
+    prompt's shared last block). A request that fits the pool alone always finishes, since
+    preemption can evict everyone else and a preempted group re-shares its prompt."""
+    def cdiv(a: int) -> int:
+        return -(-a // block_size)
+    if width == 1:
+        return cdiv(prompt_len + num_output_tokens)
+    return cdiv(prompt_len) + width * (cdiv(num_output_tokens) + 1)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if block_size < 1:

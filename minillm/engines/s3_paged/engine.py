@@ -17,7 +17,7 @@ from ...request import FinishReason, Request, RequestError, check_int, stop_reas
 from ...sampling import sample_tokens
 from ..base import Engine, StepOutput
 from .attention import TorchAttention
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for_request
 from .runner import ModelRunner
 from .scheduler import Scheduler, SequenceGroup
 from .sequence import Sequence
@@ -86,11 +86,7 @@ class PagedEngine(Engine):
         p, bs = req.params, self.block_size
         width = max(p.n, p.beam_width)
         longest = min(req.prompt_len + p.max_tokens, self.max_model_len)
-        # A request must fit the pool when alone; then preemption can always make it progress.
-        if width > 1:   # shared prompt blocks + each sample's own blocks (+1 copy-on-write)
-            need = -(-req.prompt_len // bs) + width * (-(-(longest - req.prompt_len) // bs) + 1)
-        else:
-            need = -(-longest // bs)
+        need = blocks_for_request(req.prompt_len, longest - req.prompt_len, width, bs)
         pool = self.block_manager.num_blocks
         if need > pool:
             raise RequestError(f"{req.request_id}: needs {need} KV blocks of {bs} tokens "
