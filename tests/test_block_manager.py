@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.engines.s3_paged.block_manager import BlockManager
-from minillm.engines.s3_paged.scheduler import Scheduler, SequenceGroup
+from minillm.engines.s3_paged.runner import reaching_end, step_order
+from minillm.engines.s3_paged.scheduler import Scheduler
 from minillm.engines.s3_paged.sequence import Sequence
 from minillm.request import Request, SamplingParams
 
@@ -109,8 +110,9 @@ def test_copy_on_write_and_prefix_hits():
        policy=st.sampled_from(["fcfs", "priority"]))
 def test_scheduler_random_runs_finish_without_leaks(reqs, num_blocks, block_size, budget,
                                                     max_seqs, prefix, policy):
-    """Drive the real scheduler and block manager with a fake model: random prompts, output
-    lengths, arrival steps and priorities. Everything finishes; the pool ends full."""
+    """Drive the real scheduler and block manager with a fake model (every sequence that reaches
+    its end samples token 1): random prompts, output lengths, arrival steps and priorities.
+    Everything finishes; the pool ends full."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
     sched = Scheduler(bm, budget, max_seqs, policy)
     pending, admitted = [], []
@@ -118,8 +120,8 @@ def test_scheduler_random_runs_finish_without_leaks(reqs, num_blocks, block_size
         if -(-(plen + out_len) // block_size) > num_blocks:
             continue   # the engine rejects these up front (tested elsewhere)
         req = Request([i % 5] * plen, SamplingParams(max_tokens=out_len), priority=prio)
-        admitted.append(i)
-        pending.append((arrive, SequenceGroup(req, [Sequence(req, list(req.prompt_token_ids), plen)], i)))
+        admitted.append(req)
+        pending.append((arrive, req))
     done, step = [], 0
     while pending or sched.has_unfinished():
         for item in [p for p in pending if p[0] <= step]:
@@ -130,19 +132,14 @@ def test_scheduler_random_runs_finish_without_leaks(reqs, num_blocks, block_size
         assert len(sched.running) <= max_seqs
         for seq, n in out.scheduled:
             assert len(seq.block_table) * block_size >= seq.num_computed_tokens + n
-            seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
-        for group in list(sched.running):
-            seq = group.seqs[0]
-            if seq.num_computed_tokens == seq.num_tokens and any(s is seq for s, _ in out.scheduled):
-                seq.token_ids.append(1)
-                if len(seq.output_token_ids) >= group.request.params.max_tokens:
-                    sched.finish(group)
-                    done.append(group)
-        check_invariants(bm, [s for g in sched.running + sched.waiting for s in g.seqs])
+        reached = [step_order(out.scheduled)[k][0] for k in reaching_end(step_order(out.scheduled))]
+        sched.commit_computed(out)
+        done += sched.postprocess([(s, 1) for _, s in sched.rows_to_sample(reached)], [])
+        check_invariants(bm, sched.live_seqs())
         step += 1
         assert step < 5000, "scheduler livelock"
-    assert len(done) == len(admitted) and not sched.running and not sched.waiting
-    for g in done:
-        assert len(g.seqs[0].output_token_ids) == g.request.params.max_tokens
+    assert sorted(r.request_id for r in done) == sorted(r.request_id for r in admitted)
+    assert not sched.running and not sched.waiting and not sched.groups
+    for r in done:
+        assert len(r.output_token_ids) == r.params.max_tokens
     assert bm.num_free_blocks == num_blocks

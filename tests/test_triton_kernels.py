@@ -25,7 +25,9 @@ triton = pytest.importorskip("triton")
 
 from minillm.engines.s3_paged.attention import (  # noqa: E402
     AttentionMetadata, TorchAttention, paged_attention)
-from minillm.engines.s4_triton import TritonAttention, triton_available  # noqa: E402
+# Importing TritonAttention calls require_triton(): where the kernels cannot run, collecting this
+# file fails here, saying why (tests/test_triton_optional.py checks that logic).
+from minillm.engines.s4_triton import TritonAttention  # noqa: E402
 from minillm.engines.s4_triton import kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,10 +98,6 @@ def decode_lens(bs: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------
-def test_triton_available():
-    assert triton_available()
-
-
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_store_kv(block_size):
     torch.manual_seed(0)

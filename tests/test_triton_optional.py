@@ -69,6 +69,29 @@ def test_no_wheel_platforms_are_told_so(no_triton, monkeypatch, plat, machine):
     assert "pip install triton" not in msg
 
 
+@pytest.mark.parametrize("installed", [False, True])
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("interpret", [None, "0", "1"])
+def test_triton_available_agrees_with_require_triton(monkeypatch, installed, cuda, interpret):
+    """``triton_available()`` is True exactly when triton imports and there is CUDA or
+    TRITON_INTERPRET=1, and exactly then ``require_triton()`` lets step 4 run (a stand-in module
+    plays an installed triton >= 3.7, so this runs the same with or without the real one)."""
+    monkeypatch.setitem(sys.modules, "triton",
+                        types.SimpleNamespace(__version__="3.7.1") if installed else None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if interpret is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    expected = installed and (cuda or interpret == "1")
+    assert s4.triton_available() is expected
+    if expected:
+        s4.require_triton()
+    else:
+        with pytest.raises(s4.TritonUnavailableError):
+            s4.require_triton()
+
+
 def test_interpreter_switched_off_without_cuda(monkeypatch):
     pytest.importorskip("triton")
     if torch.cuda.is_available():

@@ -41,14 +41,15 @@ import random
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import torch
 
-from ..engines.s3_paged.block_manager import BlockManager, blocks_for_request
-from ..engines.s3_paged.scheduler import Scheduler, SequenceGroup
+from ..engines.s3_paged.runner import reaching_end, step_order
 from ..engines.s3_paged.sequence import Sequence
 from ..memory import CACHED, FREE, PADDING, RESERVED, TOKEN, MemorySnapshot
-from ..request import FinishReason, Request, SamplingParams
+from ..request import Request, RequestError, SamplingParams
 
 ALLOCATORS = ("max-length", "exact", "paged")
 ALLOCATOR_LABELS = {"max-length": "max-length reservation", "exact": "exact contiguous",
@@ -226,90 +227,96 @@ def waste_breakdown(snap: MemorySnapshot) -> dict:
             "allocated": token + padding + res}
 
 
-# --- the paged allocator: the real BlockManager and Scheduler, a fake model ---------------------
-class PagedSim:
-    """``PagedEngine.step`` with the forward pass taken out: same scheduler, same block manager,
-    same order of forks, appends and frees (see ``engine.py``'s ``step``/``_postprocess``)."""
+# --- the paged allocator: the real PagedEngine, with a model that computes nothing ---------------
+REPLAY_EOS = -2       # the replay "model"'s end-of-sequence token: ends each sample where it ended
+
+
+@dataclass
+class ReplayModel:
+    """What the engine reads off a model, for replays that run none."""
+
+    max_model_len: int
+    kv_bytes_per_token: int
+    eos_token_ids: set[int] = field(default_factory=lambda: {REPLAY_EOS})
+    tokenizer: object = None
+    device: torch.device = torch.device("cpu")
+    config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=1 << 31))
+
+
+class NullRunner:
+    """A model runner that computes nothing: a scheduled token's K/V count as written at once.
+    Which sequences reach their newest token, and in what order, is decided exactly as in
+    ``ModelRunner.run``, so forks and frees happen in the engine's own order."""
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        pass
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], None]:
+        order = step_order(scheduled)
+        return [order[k][0] for k in reaching_end(order)], None
+
+
+class ReplaySampler:
+    """Emits the tokens each sample produced (recorded ones for a trace, ``DUMMY_TOKEN`` for a
+    synthetic workload), and ends each sample after as many tokens as it had."""
+
+    def __init__(self, requests: dict[str, SimRequest]):
+        self.requests = requests
+
+    def __call__(self, logits, rows: list[tuple[int, Sequence]]):
+        tokens = []
+        for _, seq in rows:
+            r, k = self.requests[seq.request.request_id], len(seq.output_token_ids)
+            last = k + 1 >= r.output_lens[seq.sample_id]
+            tokens.append((seq, REPLAY_EOS if last else r.token(seq.sample_id, k)))
+        return tokens, []
+
+
+class PagedReplay:
+    """The paged allocator *is* the paged engine: ``PagedEngine`` with its real scheduler, block
+    manager and postprocess, given ``NullRunner`` and ``ReplaySampler``. Nothing here repeats what
+    the engine does, so a replay cannot drift from it."""
 
     name = "paged"
 
     def __init__(self, cfg: SimConfig):
+        from ..engines.s3_paged.engine import PagedEngine
         self.cfg = cfg
-        self.bm = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.bm, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.policy)
-        self.groups: dict[str, tuple[SequenceGroup, SimRequest]] = {}
-        self.num_arrived = 0
+        self.requests: dict[str, SimRequest] = {}
+        self.engine = PagedEngine(
+            ReplayModel(cfg.max_model_len, cfg.bytes_per_slot), block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
+            policy=cfg.policy, runner=NullRunner(), sampler=ReplaySampler(self.requests))
+        self.bm, self.scheduler = self.engine.block_manager, self.engine.scheduler
         self.num_finished = 0
 
+    @staticmethod
+    def _request(r: SimRequest) -> Request:
+        params = SamplingParams(max_tokens=r.max_tokens, n=r.n)
+        return Request(list(r.prompt_token_ids), params, request_id=r.request_id,
+                       priority=r.priority)
+
     def fits(self, r: SimRequest) -> bool:
-        """A request must fit the pool when alone (then preemption always lets it progress):
-        its prompt's blocks, plus, per sample, its output's blocks and one copied-on-write block.
-        (``PagedEngine.validate`` intends the same bound.)"""
-        longest = min(r.prompt_len + r.max_tokens, self.cfg.max_model_len)
-        need = blocks_for_request(r.prompt_len, longest - r.prompt_len, r.n, self.cfg.block_size)
-        return need <= self.bm.num_blocks and r.n <= self.cfg.max_num_batched_tokens
+        """Whether the engine would accept the request (``PagedEngine.validate``)."""
+        try:
+            self.engine.validate(self._request(r))
+        except RequestError:
+            return False
+        return True
 
     def add(self, r: SimRequest) -> None:
-        params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, n=r.n)
-        req = Request(list(r.prompt_token_ids), params, request_id=r.request_id, priority=r.priority)
-        group = SequenceGroup(req, [Sequence(req, list(req.prompt_token_ids), req.prompt_len)],
-                              self.num_arrived)
-        self.num_arrived += 1
-        self.groups[r.request_id] = (group, r)
-        self.scheduler.add(group)
+        self.requests[r.request_id] = r
+        self.engine.add_request(self._request(r))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.engine.has_unfinished()
 
     def step(self) -> None:
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if not self.scheduler.running and self.scheduler.waiting:
-                raise RuntimeError("scheduler made no progress with an empty pool")
-            return
-        # ModelRunner.run: decodes first, then prefill chunks; sequences that reach their newest
-        # token get logits (decided before num_computed_tokens moves).
-        order = [(s, n) for s, n in sched.scheduled if n == 1] + \
-                [(s, n) for s, n in sched.scheduled if n > 1]
-        reached = [s for s, n in order if s.num_computed_tokens + n == s.num_tokens]
-        for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-        self._postprocess(reached)
-
-    def _postprocess(self, seqs: list[Sequence]) -> None:
-        by_group: dict[int, SequenceGroup] = {}
-        expanded = []
-        for seq in seqs:
-            group, _ = self.groups[seq.request.request_id]
-            by_group.setdefault(id(group), group)
-            expanded += group.fork_samples(seq, self.bm)
-            expanded.append(seq)
-        for seq in expanded:
-            self._append(seq)
-        for group in by_group.values():
-            if not group.seqs:
-                self.scheduler.finish(group)
-                group.request.finish(FinishReason.LENGTH)
-                self.num_finished += 1
-                del self.groups[group.request.request_id]
-
-    def _append(self, seq: Sequence) -> None:
-        group, r = self.groups[seq.request.request_id]
-        k = len(seq.output_token_ids)
-        seq.token_ids.append(r.token(seq.sample_id, k))
-        if k + 1 >= r.output_lens[seq.sample_id]:
-            group.seqs.remove(seq)
-            group.done_seqs.append(seq)
-            seq.finish_reason = FinishReason.LENGTH
-            self.bm.free(seq)
-
-    def live_seqs(self) -> list[Sequence]:
-        return [s for g in self.scheduler.running + self.scheduler.waiting for s in g.seqs
-                if s.block_table]
+        self.num_finished += len(self.engine.step().finished)
 
     def measure(self, step: int) -> tuple[SimStep, MemorySnapshot | None]:
-        live = self.live_seqs()
+        live = self.scheduler.live_seqs()
         st = self.bm.stats(live)
         bs = self.cfg.block_size
         rec = SimStep(step, st.allocated_slots, st.token_slots, st.allocated_slots - st.token_slots,
@@ -486,7 +493,7 @@ class ContiguousSim:
 # --- running a workload -------------------------------------------------------------------------
 def make_allocator(name: str, cfg: SimConfig, requests: list[SimRequest]):
     if name == "paged":
-        return PagedSim(cfg)
+        return PagedReplay(cfg)
     if name in ("max-length", "exact"):
         max_len = cfg.max_len or max((r.prompt_len + r.max_tokens for r in requests), default=1)
         return ContiguousSim(cfg, name, max_len)

@@ -14,6 +14,17 @@ from .model import PagedLlama
 from .sequence import Sequence
 
 
+def step_order(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """The order a step's tokens are laid out in: decodes first, then prefill chunks."""
+    return [(s, n) for s, n in scheduled if n == 1] + [(s, n) for s, n in scheduled if n > 1]
+
+
+def reaching_end(order: list[tuple[Sequence, int]]) -> list[int]:
+    """Indices in ``order`` of the sequences whose newest token is computed this step: they get
+    logits (a middle chunk of a long prompt does not)."""
+    return [k for k, (s, n) in enumerate(order) if s.num_computed_tokens + n == s.num_tokens]
+
+
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0)
     return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
@@ -49,9 +60,9 @@ class ModelRunner:
         """Flatten a step into model inputs. Returns (input_ids, positions, meta, order, last)
         where ``order`` is the scheduled list in token order and ``last[i]`` is the flat index
         of ``order[i]``'s last token this step."""
-        decodes = [(s, n) for s, n in scheduled if n == 1]
-        prefills = [(s, n) for s, n in scheduled if n > 1]
-        order = decodes + prefills
+        order = step_order(scheduled)
+        decodes = [(s, n) for s, n in order if n == 1]
+        prefills = [(s, n) for s, n in order if n > 1]
         ids, pos, slots, last = [], [], [], []
         for seq, n in order:
             start = seq.num_computed_tokens
@@ -83,9 +94,8 @@ class ModelRunner:
         """One forward; returns the sequences that reached their newest token and their logits."""
         ids, pos, meta, order, last = self.prepare(scheduled)
         hidden = self.net.forward(ids, pos, meta, self.kv_caches, self.backend)
-        want = [(seq, i) for (seq, n), i in zip(order, last)
-                if seq.num_computed_tokens + n == seq.num_tokens]
+        want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
             return [], hidden.new_empty((0, self.net.lm_head.shape[0]))
-        idx = torch.tensor([i for _, i in want], device=self.device)
-        return [s for s, _ in want], self.net.logits(hidden[idx])
+        idx = torch.tensor([last[k] for k in want], device=self.device)
+        return [order[k][0] for k in want], self.net.logits(hidden[idx])

@@ -23,39 +23,17 @@ more blocks than the request was admitted with, and could never fit a tight pool
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
-from ...request import Request
+import torch
+
+from ...request import FinishReason, Request, RequestError, stop_reason
+from .beam import beam_step
 from .block_manager import BlockManager
-from .sequence import Sequence
+from .sequence import Sequence, SequenceGroup
 
 POLICIES = ("fcfs", "priority")
-
-
-@dataclass(eq=False)
-class SequenceGroup:
-    """A request and its sequences (one, or n / beam_width after the prompt is done)."""
-
-    request: Request
-    seqs: list[Sequence]
-    arrival_index: int
-    done_seqs: list[Sequence] = field(default_factory=list)   # finished samples / beams
-
-    def fork_samples(self, seq: Sequence, block_manager: BlockManager) -> list[Sequence]:
-        """Once an ``n > 1`` request's prompt is computed, fork n - 1 more samples from it.
-
-        The children share every prompt block (reference counts go up, nothing is copied); the
-        first token each one appends into the shared last block triggers copy-on-write."""
-        n = self.request.params.n
-        if n == 1 or seq.num_tokens != seq.prompt_len:
-            return []
-        children = []
-        for k in range(1, n):
-            child = block_manager.fork(seq)
-            child.sample_id = k
-            children.append(child)
-        self.seqs.extend(children)
-        return children
 
 
 @dataclass
@@ -70,8 +48,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Owns the requests in flight (``groups``) and the ``BlockManager``: ``schedule`` decides a
+    step, ``postprocess`` commits it (tokens appended, samples forked, finished ones freed)."""
+
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 1024,
-                 max_num_seqs: int = 64, policy: str = "fcfs"):
+                 max_num_seqs: int = 64, policy: str = "fcfs", eos_ids: set[int] = frozenset(),
+                 max_model_len: int = 1 << 62):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -80,9 +62,12 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy
+        self.eos_ids, self.max_model_len = set(eos_ids), max_model_len
+        self.groups: dict[str, SequenceGroup] = {}    # request id -> group, until it finishes
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.num_arrived = 0
 
     def rank(self, g: SequenceGroup) -> tuple:
         """Sort key: who goes first, and (reversed) who is preempted first."""
@@ -90,9 +75,16 @@ class Scheduler:
             return (g.request.priority, g.arrival_index)
         return (g.arrival_index,)
 
-    def add(self, group: SequenceGroup) -> None:
+    def add(self, req: Request) -> SequenceGroup:
+        if req.request_id in self.groups:
+            raise RequestError(f"{req.request_id}: a request with this id is already in flight")
+        group = SequenceGroup(req, [Sequence(req, list(req.prompt_token_ids), req.prompt_len)],
+                              self.num_arrived)
+        self.num_arrived += 1
+        self.groups[req.request_id] = group
         self.waiting.append(group)
         self.waiting.sort(key=self.rank)
+        return group
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -201,3 +193,77 @@ class Scheduler:
             self.running.remove(group)
         elif group in self.waiting:
             self.waiting.remove(group)
+
+    # --- committing a step (nano-vllm's Scheduler.postprocess) ---------------------------------
+    def commit_computed(self, out: SchedulerOutput) -> None:
+        """The forward pass wrote these tokens' K/V: count them, offer full blocks to the cache."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+
+    def rows_to_sample(self, reached: list[Sequence]) -> list[tuple[int, Sequence]]:
+        """(logits row, sequence) pairs to sample: each sequence that reached its newest token,
+        plus, for an n > 1 request whose prompt is now computed, its n - 1 new forks (same row)."""
+        rows = []
+        for i, seq in enumerate(reached):
+            group = self.groups[seq.request.request_id]
+            rows += [(i, child) for child in group.fork_samples(seq, self.bm)]
+            rows.append((i, seq))
+        return rows
+
+    def postprocess(self, tokens: list[tuple[Sequence, int]],
+                    beam_logprobs: list[tuple[Sequence, torch.Tensor]]) -> list[Request]:
+        """Append sampled tokens, advance beams, free what finished; return finished requests."""
+        touched: dict[int, SequenceGroup] = {}
+        for seq, _ in tokens + beam_logprobs:
+            group = self.groups[seq.request.request_id]
+            touched.setdefault(id(group), group)
+        for seq, token in tokens:
+            self._append(seq, token)
+        for seq, logprobs in beam_logprobs:
+            seq.pending_logprobs = logprobs
+        finished = []
+        for group in touched.values():
+            if group.request.params.beam_width > 1:
+                beam_step(group, self.bm, self.eos_ids, self.max_model_len)
+            if not group.seqs:
+                finished.append(self.finish_group(group))
+        return finished
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        req = seq.request
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        seq.token_ids.append(token)
+        if req.params.n == 1:   # keep the request's own view live (progress, abort, notebooks)
+            req.output_token_ids.append(token)
+        reason = stop_reason(req.params, token, len(seq.output_token_ids), seq.num_tokens,
+                             self.eos_ids, self.max_model_len)
+        if reason is not None:   # a finished sample leaves at once: its blocks free this step
+            group = self.groups[req.request_id]
+            group.seqs.remove(seq)
+            group.done_seqs.append(seq)
+            seq.finish_reason = reason
+            self.bm.free(seq)
+
+    def finish_group(self, group: SequenceGroup, reason: FinishReason | None = None) -> Request:
+        """End a request: free its blocks and record its samples, best first (beams by score,
+        parallel samples in order). ``reason`` (an abort) also ends the sequences still running,
+        which keep their partial tokens."""
+        req = group.request
+        for seq in group.seqs:
+            seq.finish_reason = reason
+            seq.cum_logprob /= max(1, len(seq.output_token_ids))   # as a finished hypothesis
+        done = group.done_seqs + group.seqs
+        self.finish(group)
+        done.sort(key=(lambda s: -s.cum_logprob) if req.params.beam_width > 1 else
+                  (lambda s: s.sample_id))
+        req.samples = [list(s.output_token_ids) for s in done]
+        req.output_token_ids = list(req.samples[0])
+        req.finish(reason or done[0].finish_reason)
+        del self.groups[req.request_id]
+        return req
+
+    def live_seqs(self) -> list[Sequence]:
+        """Sequences holding blocks right now (what memory snapshots draw)."""
+        return [s for g in self.running + self.waiting for s in g.seqs if s.block_table]

@@ -49,3 +49,29 @@ class Sequence:
         """A child that shares every block (the caller bumps reference counts)."""
         return Sequence(self.request, list(self.token_ids), self.prompt_len, list(self.block_table),
                         self.num_computed_tokens, self.num_cached_tokens, self.cum_logprob)
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """A request and its sequences (one, or n / beam_width after the prompt is done)."""
+
+    request: Request
+    seqs: list[Sequence]
+    arrival_index: int
+    done_seqs: list[Sequence] = field(default_factory=list)   # finished samples / beams
+
+    def fork_samples(self, seq: Sequence, block_manager) -> list[Sequence]:
+        """Once an ``n > 1`` request's prompt is computed, fork n - 1 more samples from it.
+
+        The children share every prompt block (reference counts go up, nothing is copied); the
+        first token each one appends into the shared last block triggers copy-on-write."""
+        n = self.request.params.n
+        if n == 1 or seq.num_tokens != seq.prompt_len:
+            return []
+        children = []
+        for k in range(1, n):
+            child = block_manager.fork(seq)
+            child.sample_id = k
+            children.append(child)
+        self.seqs.extend(children)
+        return children
