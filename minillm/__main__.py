@@ -9,7 +9,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from .engines import ENGINES
+from .engines import ENGINES, all_options, options_from
 
 GENERATE_HELP = """\
 Generate for every non-blank line of a UTF-8 JSONL file (a leading BOM is ignored): an object with
@@ -29,25 +29,32 @@ PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "bea
                 "ignore_eos")
 
 
+# Help for each engine option; which options exist comes from the engines' constructors.
+OPTION_HELP = {
+    "batch_size": "static: requests per batch",
+    "max_num_seqs": "dynamic/paged: max concurrent requests",
+    "block_size": "paged: tokens per KV block",
+    "num_blocks": "paged: KV pool size in blocks",
+    "kv_cache_bytes": "paged: KV pool size in bytes",
+    "max_num_batched_tokens": "paged: token budget per step",
+    "enable_prefix_caching": "paged: reuse KV blocks of shared prompt prefixes",
+    "policy": "paged: scheduling order (fcfs, priority)",
+    "attention_backend": "paged: attention backend, torch or triton (default: triton on CUDA, "
+                         "torch on CPU)",
+}
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """One flag per option of any engine (``--block-size`` for ``block_size``, ...)."""
     g = p.add_argument_group("engine options (step 1-3)")
-    g.add_argument("--batch-size", type=int, help="static: requests per batch")
-    g.add_argument("--max-num-seqs", type=int, help="dynamic/paged: max concurrent requests")
-    g.add_argument("--block-size", type=int, help="paged: tokens per KV block")
-    g.add_argument("--num-blocks", type=int, help="paged: KV pool size in blocks")
-    g.add_argument("--kv-cache-bytes", type=int, help="paged: KV pool size in bytes")
-    g.add_argument("--max-num-batched-tokens", type=int, help="paged: token budget per step")
-    g.add_argument("--enable-prefix-caching", action="store_true", default=None,
-                   help="paged: reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--policy", choices=("fcfs", "priority"), help="paged: scheduling order")
-    g.add_argument("--attention", dest="attention_backend", choices=("torch", "triton"),
-                   help="paged: attention backend (default: triton on CUDA, torch on CPU)")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    keys = ("batch_size", "max_num_seqs", "block_size", "num_blocks", "kv_cache_bytes",
-            "max_num_batched_tokens", "enable_prefix_caching", "policy", "attention_backend")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    for name, param in all_options().items():
+        flags = ["--" + name.replace("_", "-")] + (["--attention"] if name == "attention_backend" else [])
+        if isinstance(param.default, bool):
+            g.add_argument(*flags, dest=name, action="store_true", default=None,
+                           help=OPTION_HELP[name])
+        else:
+            typ = int if isinstance(param.default, int) or "int" in str(param.annotation) else str
+            g.add_argument(*flags, dest=name, type=typ, help=OPTION_HELP[name])
 
 
 @dataclass
@@ -200,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .llm import LLM
     try:
-        llm = LLM(args.model, engine=args.engine, **engine_options(args))
+        llm = LLM(args.model, engine=args.engine, **options_from(args))
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
     requests, outputs, metrics = make_requests(llm, lines), {}, None

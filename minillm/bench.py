@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from .engines import ENGINES, options_for, options_from
 from .metrics import RunMetrics
 
-ALL_ENGINES = ("naive-nocache", "naive", "static", "dynamic", "paged", "hf-static",
-               "hf-generate-batch")
+PEERS = ("hf-static", "hf-generate-batch")    # Hugging Face baselines (peers.py)
+ALL_ENGINES = ENGINES + PEERS
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
 EXPERIMENTS = ("prefix", "parallel", "capacity")
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
@@ -63,17 +63,8 @@ def run_engine(model, name: str, items, options: dict, progress: bool = True):
             return peers.run_hf_static(model, reqs, batch_size=options.get("batch_size", 32),
                                        progress=progress)
         return peers.run_hf_generate_batch(model, reqs, progress=progress)
-    opts = {k: v for k, v in options.items() if k in ENGINE_OPTIONS.get(name, ())}
-    llm = LLM(model, engine=name, **opts)
+    llm = LLM(model, engine=name, **options_for(name, options))
     return llm.run(to_requests(llm, items), progress=progress)
-
-
-ENGINE_OPTIONS = {
-    "static": ("batch_size",),
-    "dynamic": ("max_num_seqs",),
-    "paged": ("block_size", "num_blocks", "kv_cache_bytes", "max_num_batched_tokens",
-              "max_num_seqs", "enable_prefix_caching", "policy", "attention_backend"),
-}
 
 
 # --- the roofline ---------------------------------------------------------------------------------
@@ -180,7 +171,7 @@ def exp_prefix(model, n: int, seed: int, options: dict) -> dict:
     items = make_workload(n, seed, shared_prefix=True, short=(8, 32), long=(32, 64), p_long=0.2)
     out = {}
     for on in (False, True):
-        opts = {k: v for k, v in options.items() if k in ENGINE_OPTIONS["paged"]}
+        opts = options_for("paged", options)
         llm = LLM(model, engine="paged", **{**opts, "enable_prefix_caching": on, "max_num_seqs": 8})
         llm.run(to_requests(llm, warmup_items(make_workload(1, seed + 1, shared_prefix=True))))
         m = llm.run(to_requests(llm, items), progress=True).metrics
@@ -237,9 +228,7 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"unknown engine(s) {', '.join(bad)}: choose from {', '.join(ALL_ENGINES)}")
         return 2
-    from .__main__ import engine_options
-    options = {"batch_size": args.max_batch, "max_num_seqs": args.max_batch,
-               **engine_options(args)}
+    options = {"batch_size": args.max_batch, "max_num_seqs": args.max_batch, **options_from(args)}
     n = args.requests or (128 if args.quick else 256)
     n_naive = args.naive_requests or (6 if args.quick else 8)
     torch.manual_seed(args.seed)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import minillm.engines.s4_triton as s4
-from minillm.engines.s3_paged.engine import get_attention_backend
+from minillm.engines import get_attention_backend
 
 CPU = torch.device("cpu")
 

@@ -1,29 +1,114 @@
-"""The ladder: one module per step, all behind the ``Engine`` interface of ``base.py``."""
+"""The ladder: one module per step, all behind the ``Engine`` interface of ``base.py``.
+
+``REGISTRY`` is the one list of engines: name -> class, the options its constructor takes (read
+from its signature, so no list of options is kept by hand anywhere) and what it can do (abort,
+n > 1 and beam search: class attributes of the engine). The CLI, the benchmark and ``LLM`` all go
+through ``create_engine``. The attention backend of step 3 is chosen here too: step 3 itself never
+imports step 4.
+"""
 from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
 
 from .base import Engine, RunResult, StepOutput
 
-ENGINES = ("naive-nocache", "naive", "static", "dynamic", "paged")
+# Constructor parameters that are plumbing, not user options.
+_INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend"}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    step: int
+    module: str                       # under minillm.engines
+    cls: str
+    fixed: dict = field(default_factory=dict)   # what the name implies (naive-nocache: no cache)
+
+    def load(self) -> type[Engine]:
+        return getattr(importlib.import_module(f"{__name__}.{self.module}"), self.cls)
+
+    @property
+    def options(self) -> dict[str, inspect.Parameter]:
+        """The options a user may pass, by name (parameters of the engine's constructor)."""
+        params = inspect.signature(self.load().__init__).parameters
+        extra = {"attention_backend": None} if self.name == "paged" else {}
+        opts = {k: p for k, p in params.items() if k not in _INTERNAL}
+        return opts | {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+                       for k, v in extra.items()}
+
+    @property
+    def supports_abort(self) -> bool:
+        return self.load().supports_abort
+
+    @property
+    def supports_parallel(self) -> bool:
+        """n > 1 parallel samples and beam search (they need blocks that can be shared)."""
+        return self.load().supports_parallel
+
+
+REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
+    EngineSpec("naive-nocache", 0, "s0_naive", "NaiveEngine", {"use_cache": False}),
+    EngineSpec("naive", 0, "s0_naive", "NaiveEngine", {"use_cache": True}),
+    EngineSpec("static", 1, "s1_static", "StaticBatchEngine"),
+    EngineSpec("dynamic", 2, "s2_dynamic", "DynamicBatchEngine"),
+    EngineSpec("paged", 3, "s3_paged.engine", "PagedEngine"),
+)}
+ENGINES = tuple(REGISTRY)
 
 
 def create_engine(name: str, model, **options) -> Engine:
     """Build engine ``name`` for a loaded model; ``options`` go to its constructor."""
-    if name == "naive-nocache":
-        from .s0_naive import NaiveEngine
-        return NaiveEngine(model, use_cache=False, **options)
-    if name == "naive":
-        from .s0_naive import NaiveEngine
-        return NaiveEngine(model, use_cache=True, **options)
-    if name == "static":
-        from .s1_static import StaticBatchEngine
-        return StaticBatchEngine(model, **options)
-    if name == "dynamic":
-        from .s2_dynamic import DynamicBatchEngine
-        return DynamicBatchEngine(model, **options)
+    spec = REGISTRY.get(name)
+    if spec is None:
+        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+    allowed = spec.options
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"bad option for engine {name!r}: {', '.join(unknown)} (it takes "
+                         f"{', '.join(allowed) or 'no options'})")
     if name == "paged":
-        from .s3_paged.engine import PagedEngine
-        return PagedEngine(model, **options)
-    raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+        options["backend"] = get_attention_backend(options.pop("attention_backend", None),
+                                                   model.device)
+    return spec.load()(model, **spec.fixed, **options)
 
 
-__all__ = ["ENGINES", "Engine", "RunResult", "StepOutput", "create_engine"]
+def get_attention_backend(name: str | None, device):
+    """``torch`` (step 3's reference) or ``triton`` (step 4); by default triton on CUDA when it is
+    installed, torch otherwise. Asking for triton where it cannot run raises
+    ``TritonUnavailableError`` saying what to install."""
+    if name is None:
+        from .s4_triton import triton_available
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        from .s3_paged.attention import TorchAttention
+        return TorchAttention()
+    if name == "triton":
+        from .s4_triton import TritonAttention  # sets TRITON_INTERPRET=1 on CPU first
+        return TritonAttention()
+    raise ValueError(f"unknown attention_backend {name!r}: choose 'torch' or 'triton'")
+
+
+def all_options() -> dict[str, inspect.Parameter]:
+    """Every option any engine takes, in ladder order (the CLI makes a flag of each)."""
+    out: dict[str, inspect.Parameter] = {}
+    for spec in REGISTRY.values():
+        out |= {k: p for k, p in spec.options.items() if k not in out}
+    return out
+
+
+def options_from(namespace) -> dict:
+    """The engine options set on an argparse namespace (flags left unset are omitted)."""
+    return {k: getattr(namespace, k) for k in all_options() if getattr(namespace, k, None) is not None}
+
+
+def options_for(name: str, options: dict) -> dict:
+    """The subset of ``options`` that engine ``name`` takes (the benchmark passes one set of
+    options to every engine)."""
+    allowed = REGISTRY[name].options
+    return {k: v for k, v in options.items() if k in allowed}
+
+
+__all__ = ["ENGINES", "REGISTRY", "Engine", "EngineSpec", "RunResult", "StepOutput",
+           "all_options", "create_engine", "get_attention_backend", "options_for", "options_from"]

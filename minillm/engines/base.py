@@ -51,6 +51,7 @@ class Engine:
 
     name = "base"
     supports_abort = False
+    supports_parallel = False   # n > 1 samples and beam search
 
     def __init__(self, model: LoadedModel):
         self.model = model
@@ -112,10 +113,9 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"{req.request_id}: prompt of {len(ids)} tokens is longer than the "
                                f"model's context ({self.max_model_len} tokens, including output)")
-        if req.params.n > 1 or req.params.beam_width > 1:
-            if self.name != "paged":
-                raise RequestError(f"{req.request_id}: n > 1 and beam search need the 'paged' "
-                                   f"engine (this is {self.name!r})")
+        if (req.params.n > 1 or req.params.beam_width > 1) and not self.supports_parallel:
+            raise RequestError(f"{req.request_id}: n > 1 and beam search need the 'paged' "
+                               f"engine (this is {self.name!r})")
 
     def make_output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

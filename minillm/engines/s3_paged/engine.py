@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from ...memory import KVUsage, MemorySnapshot
 from ...request import FinishReason, Request, RequestError, check_int
@@ -25,30 +24,18 @@ from .sequence import Sequence
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
-def get_attention_backend(name: str | None, device: torch.device):
-    """``torch`` (reference) or ``triton`` (step 4); default triton on CUDA when it is installed,
-    torch otherwise. Asking for triton where it cannot run raises ``TritonUnavailableError``."""
-    if name is None:
-        from ..s4_triton import triton_available
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if name == "torch":
-        return TorchAttention()
-    if name == "triton":
-        from ..s4_triton import TritonAttention  # sets TRITON_INTERPRET=1 on CPU first
-        return TritonAttention()
-    raise ValueError(f"unknown attention_backend {name!r}: choose 'torch' or 'triton'")
-
-
 class PagedEngine(Engine):
     name = "paged"
     supports_abort = True
+    supports_parallel = True    # n > 1 and beams share blocks
 
     def __init__(self, model, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 1024,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-                 policy: str = "fcfs", attention_backend: str | None = None,
-                 runner=None, sampler=None):
-        """``runner``/``sampler`` replace the model runner and the sampler (the visualizer replays
+                 policy: str = "fcfs", backend=None, runner=None, sampler=None):
+        """``backend``: the attention backend (``create_engine`` picks it from
+        ``attention_backend="torch"|"triton"``; default: step 3's torch reference).
+        ``runner``/``sampler`` replace the model runner and the sampler (the visualizer replays
         workloads with ones that compute nothing); by default the real ones are built."""
         super().__init__(model)
         block_size = check_int("block_size", block_size, 1)
@@ -62,8 +49,8 @@ class PagedEngine(Engine):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy,
                                    self.eos_ids, self.max_model_len)
+        self.backend = backend or TorchAttention()
         if runner is None:
-            self.backend = get_attention_backend(attention_backend, model.device)
             runner = ModelRunner(model, num_blocks, block_size, self.backend)
         self.runner, self.sampler = runner, sampler or Sampler()
         self.aborted: list[Request] = []
