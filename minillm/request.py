@@ -137,6 +137,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    added_step: int | None = None        # steps of its run done when the engine took it (traces)
     # n > 1 / beam search: every sample's (or beam's) tokens, best first, once the request ends
     samples: list[list[int]] = field(default_factory=list)
 

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
 from minillm.memory import FREE, RESERVED, TOKEN
-from minillm.viz.fragmentation import (ALLOCATORS, SimConfig, SimRequest, Trace, TraceRecorder,
-                                       WorkloadSpec, compare, record_paged_run, replay_trace,
-                                       simulate, trace_from_run, waste_breakdown)
+from minillm.viz.accounting import ALLOCATORS, SimConfig, waste_breakdown
+from minillm.viz.allocators import compare, simulate
+from minillm.viz.traces import Trace, record_paged_run, replay_trace, trace_from_run
+from minillm.viz.workloads import SimRequest, WorkloadSpec
 
 
 # --- allocator invariants ----------------------------------------------------------------------
@@ -202,18 +203,21 @@ def test_trace_round_trips_through_json(tiny, tmp_path):
         check_result(replay_trace(loaded, name), loaded.requests)
 
 
-def test_trace_from_run_needs_arrival_steps(tiny):
+def test_the_engine_records_when_requests_arrive(tiny):
+    """``Engine.run`` stamps ``added_step`` itself: traces need no wrapper around the engine."""
     llm = LLM(tiny, engine="paged")
     reqs = llm.make_requests(random_prompts(3, seed=5), SamplingParams(max_tokens=3))
     result = llm.run(reqs)
     trace = trace_from_run(result, reqs, llm.engine)          # all at t=0: step 0 for all
     assert {r.arrival_step for r in trace.requests} == {0}
-    late = llm.make_requests(random_prompts(2, seed=6), SamplingParams(max_tokens=2))
-    late[1].arrival_offset_s = 0.01
-    rec = TraceRecorder(llm.engine)
+    late = llm.make_requests(random_prompts(2, seed=6), SamplingParams(max_tokens=30,
+                                                                       ignore_eos=True))
+    late[1].arrival_offset_s = 0.05
     res = llm.run(late)
-    with pytest.raises(ValueError, match="TraceRecorder"):
-        trace_from_run(res, late, llm.engine)
-    assert trace_from_run(res, late, llm.engine, rec.added).requests[1].arrival_step >= 0
+    steps = [r.arrival_step for r in trace_from_run(res, late, llm.engine).requests]
+    assert steps[0] == 0 and steps[1] == late[1].added_step
+    unrun = llm.make_requests(random_prompts(1, seed=7), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="was not added by Engine.run"):
+        trace_from_run(res, unrun, llm.engine)
     with pytest.raises(TypeError):
         trace_from_run(res, late, LLM(tiny, engine="dynamic").engine)

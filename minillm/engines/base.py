@@ -173,7 +173,7 @@ class Engine:
 
     def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
              on_output: OnOutput | None) -> RunResult:
-        t0 = time.perf_counter()
+        t0, first_step = time.perf_counter(), self.step_count
         pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
         done: dict[str, RequestOutput] = {}
         steps: list[StepRecord] = []
@@ -194,6 +194,7 @@ class Engine:
                     try:
                         self.validate(req)
                         self.add_request(req)
+                        req.added_step = self.step_count - first_step
                     except RequestError as e:
                         req.finish(FinishReason.ERROR, error=str(e))
                         finish(RequestOutput.from_request(req))

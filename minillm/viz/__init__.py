@@ -1,2 +1,19 @@
-"""Pictures (plots.py), live notebook views (widgets.py), the fragmentation visualizer's allocator
-simulator (fragmentation.py) and each notebook's key figure (figures.py, ``make figures``)."""
+"""Pictures and notebook tools, one job a module (the notebook that uses each in brackets).
+
+Drawing (pure matplotlib, one palette and one memory legend, both in ``plots.py``):
+  plots.py             every picture's building blocks: memory maps, charts over time (all)
+  notebook_figures.py  each notebook's key figure, composed from plots.py (00-05)
+Widgets (ipywidgets classes that call the drawing functions):
+  live_view.py         LiveMemoryView: KV memory while an engine runs, then a slider (00-05)
+  visualizer.py        FragmentationVisualizer: workload controls, every allocator (05)
+The fragmentation visualizer's replays, no model needed (05):
+  workloads.py         SimRequest, WorkloadSpec: what is replayed
+  accounting.py        the kinds of slots, SimConfig, SimStep/SimResult, waste_breakdown
+  contiguous.py        ContiguousSim: the max-length and exact contiguous allocators
+  paged_replay.py      PagedReplay: the real PagedEngine with a runner that computes nothing
+  allocators.py        simulate / compare: a workload through one allocator or all of them
+  traces.py            Trace, trace_from_run, record_paged_run, replay_trace: real runs replayed
+Notebook set-up and the figures/ script:
+  notebook.py          setup(), forward_seconds, comparison_table (00-05)
+  figures.py           python -m minillm.viz.figures (make figures): writes figures/*.png
+"""

@@ -1,0 +1,132 @@
+"""``LiveMemoryView``, the ipywidget of every notebook (00-05): KV memory while an engine runs.
+
+It is an ``on_step`` callback: ``llm.run(requests, on_step=view)``. Every ``every`` steps (and at
+most once per ``min_interval_s``) it redraws the KV memory map next to fragmentation over time,
+and it keeps every snapshot (the notebook figures of ``notebook_figures.py`` read them), so after
+the run its slider scrubs back to any step. No drawing here: the picture is ``plots.live_figure``,
+rendered with matplotlib's Agg canvas into PNG bytes shown by an ``ipywidgets.Image``. Updating
+an image widget's value is all it takes, live in JupyterLab while a cell runs, headless under
+nbclient, and in a browser alike; ``figure()`` returns the picture as a ``Figure`` to save.
+"""
+from __future__ import annotations
+
+import time
+
+from matplotlib.figure import Figure
+
+from ..memory import MemorySnapshot
+from .accounting import WASTE_KINDS, waste_breakdown
+from .plots import live_figure, render_png
+
+
+class LiveMemoryView:
+    """An ``on_step`` callback that draws KV memory while the engine runs and keeps the history.
+
+        view = LiveMemoryView(every=2)
+        result = view.watch(llm, requests)       # display + run + final frame + slider
+        # or: display(view); result = llm.run(requests, on_step=view); view.finish()
+
+    ``every``: redraw every k-th step; ``min_interval_s``: but never more often than this, so
+    drawing (~0.1-0.2 s a frame) never dominates a fast engine: the run's wall-clock time includes
+    it, its ``StepRecord`` forward times do not. ``snapshots``/``records`` keep every step.
+    """
+
+    def __init__(self, every: int = 1, min_interval_s: float = 1.0, title: str = "",
+                 figsize=(12, 3.8), dpi: int = 72, budget_slots: int | None = None):
+        self.every, self.min_interval_s = max(1, every), min_interval_s
+        self.title, self.figsize, self.dpi, self.budget_slots = title, figsize, dpi, budget_slots
+        self.snapshots: list[MemorySnapshot] = []
+        self.records: list = []
+        self.breakdowns: list[dict] = []
+        self.num_draws = 0
+        self._last_draw = -1e9
+        self._ui = None
+        self._fig = None
+
+    # called by Engine.run after every step
+    def __call__(self, snapshot: MemorySnapshot, record=None) -> None:
+        self.snapshots.append(snapshot)
+        self.records.append(record)
+        self.breakdowns.append(waste_breakdown(snapshot))
+        i = len(self.snapshots) - 1
+        now = time.perf_counter()
+        if self._ui is not None and i % self.every == 0 and now - self._last_draw >= self.min_interval_s:
+            try:
+                self.show(i)
+            except Exception as e:   # a drawing problem must never stop the engine
+                self._ui["status"].value = f"<span style='color:#c00'>cannot draw: {e!r}</span>"
+            self._last_draw = time.perf_counter()
+
+    def finish(self) -> "LiveMemoryView":
+        """Draw the last step and hand the slider to the user."""
+        if self._ui is not None and self.snapshots:
+            self.show(self.last_busy())
+            self._ui["slider"].disabled = False
+            self._ui["status"].value = (f"<b>{self.title or self.snapshots[-1].engine}</b>: "
+                                        f"{len(self.snapshots)} steps recorded — drag the slider "
+                                        "to scrub through the run")
+        return self
+
+    def watch(self, llm, requests, **run_kwargs):
+        """Display the view, run ``llm`` (an LLM or Engine) with it as on_step, finish."""
+        from IPython.display import display
+        display(self)
+        try:
+            return llm.run(requests, on_step=self, **run_kwargs)
+        finally:
+            self.finish()
+
+    def last_busy(self) -> int:
+        """Index of the last step that still held KV memory (the very last one is often empty:
+        everything finished and was freed)."""
+        busy = [i for i, b in enumerate(self.breakdowns) if b["allocated"]]
+        return busy[-1] if busy else len(self.snapshots) - 1
+
+    # the picture
+    def steps(self) -> list[int]:
+        return [s.step for s in self.snapshots]
+
+    def parts(self, upto: int | None = None) -> dict[str, list[int]]:
+        b = self.breakdowns[:None if upto is None else upto + 1]
+        return {k: [d[k] for d in b] for k in WASTE_KINDS}
+
+    def figure(self, i: int | None = None, fig: Figure | None = None) -> Figure:
+        """Memory map at step index ``i`` (default: the last) and fragmentation up to the end."""
+        return live_figure(self.snapshots, self.parts(), i, fig, self.figsize, self.budget_slots,
+                           self.title)
+
+    def show(self, i: int) -> None:
+        self._fig = self.figure(i, self._fig)
+        ui = self._ui
+        ui["image"].value = render_png(self._fig, self.dpi)
+        self.num_draws += 1
+        ui["slider"].unobserve(self._on_slide, names="value")
+        ui["slider"].max = max(0, len(self.snapshots) - 1)
+        ui["slider"].value = i
+        ui["slider"].observe(self._on_slide, names="value")
+        b = self.breakdowns[i]
+        ui["status"].value = (f"step {self.snapshots[i].step}: {b['token']} token slots of "
+                              f"{b['allocated']} allocated")
+
+    def _on_slide(self, change) -> None:
+        if self.snapshots:
+            self.show(int(change["new"]))
+
+    def widget(self):
+        if self._ui is None:
+            import ipywidgets as w
+            ui = {"status": w.HTML(value=f"<b>{self.title}</b> waiting for the first step…"),
+                  "image": w.Image(format="png"),
+                  "slider": w.IntSlider(value=0, min=0, max=0, description="step index",
+                                        continuous_update=False, disabled=True,
+                                        layout=w.Layout(width="60%"))}
+            ui["image"].add_class("minillm-live-figure")
+            ui["slider"].observe(self._on_slide, names="value")
+            ui["box"] = w.VBox([ui["status"], ui["image"], ui["slider"]])
+            self._ui = ui
+            if self.snapshots:          # displayed after a run: show the end, ready to scrub
+                self.finish()
+        return self._ui["box"]
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget()._repr_mimebundle_(**kwargs)

@@ -1,0 +1,127 @@
+"""Traces of real engine runs, for the fragmentation visualizer to replay.
+
+``Engine.run`` stamps each request with the step at which it was added (``Request.added_step``);
+``trace_from_run`` (or ``record_paged_run``, which runs and traces) turns the run into a ``Trace`` (each request's prompt,
+its output lengths and tokens, the engine step at which it was added, the engine's pool and
+limits), which ``Trace.save``/``load`` keep as JSON. ``replay_trace`` runs it through an allocator
+(``allocators.simulate``); through the paged one it reproduces the engine's per-step
+``allocated_slots``/``token_slots`` exactly. Used by notebook 05 (``05_fragmentation_visualizer``)
+and ``visualizer.FragmentationVisualizer.load_trace``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..request import Request
+from .accounting import SimConfig, SimResult
+from .allocators import simulate
+from .workloads import SimRequest
+
+
+@dataclass
+class Trace:
+    """A paged engine run, reduced to what the allocator needs to reproduce it."""
+
+    requests: list[SimRequest]            # in the order the engine added them
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    policy: str
+    max_model_len: int
+    bytes_per_slot: int
+    engine_steps: list[dict] = field(default_factory=list)   # the engine's own StepRecords
+    source: str = ""
+
+    def config(self, **overrides) -> SimConfig:
+        kw = dict(budget_slots=self.num_blocks * self.block_size, block_size=self.block_size,
+                  max_num_batched_tokens=self.max_num_batched_tokens,
+                  max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
+                  policy=self.policy, max_model_len=self.max_model_len,
+                  bytes_per_slot=self.bytes_per_slot, validate=False, idle_steps=False)
+        kw.update(overrides)
+        return SimConfig(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trace":
+        d = dict(d)
+        d["requests"] = [SimRequest(**r) for r in d["requests"]]
+        return cls(**d)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict()))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def trace_from_run(result, requests: list[Request], engine, source: str = "") -> Trace:
+    """A ``Trace`` of ``engine.run(requests)`` (a ``PagedEngine``; ``result`` is its RunResult).
+
+    The engine itself recorded when each request was added (``Request.added_step``) and adds
+    them in order of arrival (a stable sort), which is the order the trace keeps."""
+    from ..engines.s3_paged.engine import PagedEngine
+    from ..request import FinishReason as FR
+
+    if not isinstance(engine, PagedEngine):
+        raise TypeError(f"traces replay through the paged allocator: need a PagedEngine, "
+                        f"got {type(engine).__name__}")
+    outputs = {o.request_id: o for o in result.outputs}
+    sims = []
+    for req in sorted(requests, key=lambda r: r.arrival_offset_s):
+        out = outputs.get(req.request_id)
+        if out is None:
+            raise ValueError(f"{req.request_id} was not added by Engine.run in this run: trace a "
+                             "run of engine.run(requests) (or LLM.run)")
+        if out.finish_reason == FR.ERROR:
+            continue                                 # rejected by validate: never added
+        if out.finish_reason == FR.ABORT:
+            raise ValueError(f"{req.request_id} was aborted: traces of aborted runs are not supported")
+        if req.params.beam_width > 1:
+            raise NotImplementedError("beam search is not replayed (its forks depend on scores)")
+        if req.added_step is None:
+            raise ValueError(f"{req.request_id} was not added by Engine.run: trace a run of "
+                             "engine.run(requests) (or LLM.run)")
+        step = req.added_step
+        samples = out.samples if out.samples else [out.token_ids]
+        sims.append(SimRequest(req.request_id, list(req.prompt_token_ids),
+                               [len(s) for s in samples], req.params.max_tokens, step,
+                               req.priority, [list(s) for s in samples]))
+    sched = engine.scheduler
+    return Trace(sims, engine.block_size, engine.block_manager.num_blocks,
+                 sched.max_num_batched_tokens, sched.max_num_seqs,
+                 engine.block_manager.enable_prefix_caching, sched.policy, engine.max_model_len,
+                 engine.model.kv_bytes_per_token,
+                 [{"step": s.step, "allocated_slots": s.allocated_slots,
+                   "token_slots": s.token_slots, "num_running": s.num_running}
+                  for s in result.steps], source)
+
+
+def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progress: bool = False,
+                     source: str = ""):
+    """Run a paged engine and trace the run; return (RunResult, Trace).
+
+    The engine must be fresh (no step run yet): a replay starts from an empty pool, and a used
+    pool remembers its free-block order and, with prefix caching, its cached blocks."""
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    if engine.step_count:
+        raise ValueError("record a trace on a fresh engine (this one has already run "
+                         f"{engine.step_count} steps): create a new LLM/PagedEngine")
+    result = engine.run(requests, on_step=on_step, progress=progress)
+    return result, trace_from_run(result, requests, engine, source)
+
+
+def replay_trace(trace: Trace, allocator: str = "paged", **overrides) -> SimResult:
+    """Run a recorded trace through an allocator. With ``paged`` and no overrides, the per-step
+    allocated/token slots equal the engine's own StepRecords exactly."""
+    return simulate(trace.requests, allocator, trace.config(**overrides))

@@ -1,0 +1,271 @@
+"""``FragmentationVisualizer``, the ipywidget of notebook 05 (``05_fragmentation_visualizer``).
+
+Controls for a workload (``workloads.py``) and the allocators (``allocators.py``), a time slider,
+a table of waste per allocator at the same budget, and loading of a trace recorded from a real
+engine run (``traces.py``). Every control re-runs all the allocators (``allocators.compare``).
+No drawing here: the picture is ``notebook_figures.allocator_figure``, rendered into PNG bytes
+shown by an ``ipywidgets.Image`` (see ``live_view.py``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from .accounting import ALLOCATOR_LABELS, ALLOCATORS, SimConfig, SimResult
+from .allocators import compare
+from .notebook_figures import allocator_figure
+from .plots import new_figure, render_png
+from .traces import Trace
+from .workloads import LENGTH_DISTS, WorkloadSpec
+
+
+class FragmentationVisualizer:
+    """Controls -> workload -> every allocator at one budget -> pictures and a table."""
+
+    def __init__(self, spec: WorkloadSpec | None = None, config: SimConfig | None = None,
+                 allocator: str = "paged", figsize=(12, 7.5), dpi: int = 72):
+        self.spec = spec or WorkloadSpec()
+        # max_len: the "model context" a max-length server reserves for every request
+        self.config = config or SimConfig(max_len=512)
+        self.allocator = allocator
+        self.figsize, self.dpi = figsize, dpi
+        self.trace: Trace | None = None
+        self.results: dict[str, SimResult] = {}
+        self.t = 0
+        self.num_draws = 0
+        self._fig = None
+        self._ui = None
+        self.recompute()
+
+    # --- model ---------------------------------------------------------------------------------
+    def requests(self):
+        return self.trace.requests if self.trace is not None else self.spec.make()
+
+    def sim_config(self) -> SimConfig:
+        if self.trace is not None:   # the engine's limits; the pool follows the budget control
+            return self.trace.config(block_size=self.config.block_size,
+                                     budget_slots=self.config.budget_slots,
+                                     max_len=self.config.max_len)
+        return self.config
+
+    def recompute(self) -> None:
+        if self.trace is None:   # the cache only matters (and is only drawn) with shared prefixes
+            self.config.enable_prefix_caching = self.spec.shared_prefix
+        self.results = compare(self.requests(), self.sim_config())
+        self.t = min(self.t, self.num_steps - 1) if self.num_steps else 0
+
+    @property
+    def num_steps(self) -> int:
+        return max((len(r.steps) for r in self.results.values()), default=0)
+
+    def load_trace(self, trace: Trace | str | Path) -> Trace:
+        """Replay a real engine run (a ``Trace`` or the path of one saved with ``Trace.save``)."""
+        if not isinstance(trace, Trace):
+            if self._ui is not None:
+                self._ui["trace_path"].value = str(trace)
+            trace = Trace.load(trace)
+        self.trace = trace
+        self.config.block_size = self.trace.block_size
+        self.config.budget_slots = self.trace.num_blocks * self.trace.block_size
+        # the max-length reservation: the longest request of the trace, in steps of 64 slots
+        longest = max((r.prompt_len + r.max_tokens for r in trace.requests), default=64)
+        self.config.max_len = -(-longest // 64) * 64
+        self.t = 0
+        if self._ui is not None:
+            self._sync_controls()
+        self.recompute()
+        self.redraw()
+        return self.trace
+
+    def use_synthetic(self) -> None:
+        self.trace = None
+        if self._ui is not None:
+            self._sync_controls()
+        self.recompute()
+        self.redraw()
+
+    def table_rows(self) -> list[dict]:
+        rows = [r.summary() for r in self.results.values()]
+        if self.trace is not None and self.trace.engine_steps:
+            es = self.trace.engine_steps
+            alloc = sum(s["allocated_slots"] for s in es)
+            tok = sum(s["token_slots"] for s in es)
+            rows.append({"allocator": f"engine run ({self.trace.source or 'recorded'})",
+                         "waste_pct": 100 * (1 - tok / alloc) if alloc else 0.0,
+                         "internal_pct": float("nan"), "reserved_pct": float("nan"),
+                         "external_pct_of_budget": float("nan"),
+                         "peak_running": max(s["num_running"] for s in es), "steps": len(es),
+                         "preemptions": float("nan"), "prefix_hit_tokens": float("nan"),
+                         "rejected": float("nan")})
+        return rows
+
+    def table_html(self) -> str:
+        cols = [("allocator", "allocator"), ("waste_pct", "waste %"),
+                ("internal_pct", "internal %"), ("reserved_pct", "reserved %"),
+                ("external_pct_of_budget", "external % of pool"),
+                ("peak_running", "peak concurrent requests"), ("steps", "steps to finish"),
+                ("preemptions", "preemptions"), ("prefix_hit_tokens", "prefix-cache hit tokens"),
+                ("rejected", "rejected")]
+
+        def fmt(v):
+            if isinstance(v, float):
+                return "–" if v != v else f"{v:.1f}"
+            return ALLOCATOR_LABELS.get(v, v) if isinstance(v, str) else str(v)
+        head = "".join(f"<th style='padding:2px 8px'>{h}</th>" for _, h in cols)
+        body = "".join("<tr>" + "".join(f"<td style='padding:2px 8px;text-align:right'>{fmt(r[k])}</td>"
+                                        for k, _ in cols) + "</tr>" for r in self.table_rows())
+        cfg = self.sim_config()
+        src = (f"trace <code>{self.trace.source or 'recorded'}</code> ({len(self.trace.requests)} requests)"
+               if self.trace is not None else f"synthetic workload ({self.spec.num_requests} requests)")
+        return (f"<div>{src}; same budget for all: {cfg.budget_slots} token slots "
+                f"({cfg.num_blocks} blocks of {cfg.block_size} when paged)</div>"
+                f"<table style='border-collapse:collapse;font-size:12px'><tr>{head}</tr>{body}</table>")
+
+    # --- picture -------------------------------------------------------------------------------
+    def figure(self, t: int | None = None, allocator: str | None = None,
+               fig: Figure | None = None) -> Figure:
+        return allocator_figure(self.results, allocator or self.allocator,
+                                self.t if t is None else t, fig or new_figure(self.figsize))
+
+    def redraw(self) -> None:
+        if self._ui is None:
+            return
+        self._fig = self.figure(fig=self._fig)
+        self._ui["image"].value = render_png(self._fig, self.dpi)
+        self._ui["table"].value = self.table_html()
+        self.num_draws += 1
+
+    # --- controls ------------------------------------------------------------------------------
+    def widget(self):
+        if self._ui is not None:
+            return self._ui["box"]
+        import ipywidgets as w
+        s, c = self.spec, self.config
+        style = {"description_width": "130px"}
+        lay = w.Layout(width="380px")
+        ui = {
+            "allocator": w.Dropdown(options=[(ALLOCATOR_LABELS[a], a) for a in ALLOCATORS],
+                                    value=self.allocator, description="allocator", style=style, layout=lay),
+            "block_size": w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=c.block_size,
+                                            description="block size", style=style, layout=lay,
+                                            continuous_update=False),
+            "budget": w.IntSlider(value=c.budget_slots, min=64, max=16384, step=16,
+                                  description="budget (slots)", style=style, layout=lay,
+                                  continuous_update=False),
+            "max_len": w.IntSlider(value=c.max_len or 512, min=64, max=4096, step=64,
+                                   description="max-length reserve", style=style, layout=lay,
+                                   continuous_update=False),
+            "num_requests": w.IntSlider(value=s.num_requests, min=1, max=128, description="requests",
+                                        style=style, layout=lay, continuous_update=False),
+            "rate": w.FloatSlider(value=s.arrival_rate or 0.0, min=0.0, max=4.0, step=0.1,
+                                  description="arrivals / step", style=style, layout=lay,
+                                  continuous_update=False),
+            "prompt": w.IntRangeSlider(value=s.prompt_len, min=1, max=1024, description="prompt len",
+                                       style=style, layout=lay, continuous_update=False),
+            "output": w.IntRangeSlider(value=s.output_len, min=1, max=1024, description="output len",
+                                       style=style, layout=lay, continuous_update=False),
+            "dist": w.Dropdown(options=LENGTH_DISTS, value=s.length_dist, description="length dist",
+                               style=style, layout=lay),
+            "prefix": w.Checkbox(value=s.shared_prefix, description="shared prefix (prefix caching)",
+                                 indent=False),
+            "n": w.IntSlider(value=s.n, min=1, max=4, description="parallel samples n", style=style,
+                             layout=lay, continuous_update=False),
+            "time": w.IntSlider(value=self.t, min=0, max=max(0, self.num_steps - 1),
+                                description="time (step)", style=style,
+                                layout=w.Layout(width="760px"), continuous_update=True),
+            "trace_path": w.Text(value="", placeholder="path of a trace .json (Trace.save)",
+                                 description="trace", style=style, layout=lay),
+            "load": w.Button(description="load trace", icon="upload"),
+            "synthetic": w.Button(description="synthetic workload"),
+            "status": w.HTML(),
+            "table": w.HTML(),
+            "image": w.Image(format="png"),
+        }
+        ui["play"] = w.Play(value=0, min=0, max=ui["time"].max, step=1, interval=150)
+        w.jslink((ui["play"], "value"), (ui["time"], "value"))
+        ui["image"].add_class("minillm-viz-figure")
+        ui["allocator"].add_class("minillm-viz-allocator")
+        self._ui = ui
+        for key in ("block_size", "budget", "max_len", "num_requests", "rate", "prompt", "output",
+                    "dist", "prefix", "n"):
+            ui[key].observe(self._on_workload, names="value")
+        ui["allocator"].observe(self._on_allocator, names="value")
+        ui["time"].observe(self._on_time, names="value")
+        ui["load"].on_click(self._on_load)
+        ui["synthetic"].on_click(lambda _: self.use_synthetic())
+        left = w.VBox([ui[k] for k in ("allocator", "block_size", "budget", "max_len", "num_requests")])
+        right = w.VBox([ui[k] for k in ("rate", "prompt", "output", "dist", "n", "prefix")])
+        trace_row = w.HBox([ui["trace_path"], ui["load"], ui["synthetic"]])
+        ui["box"] = w.VBox([w.HBox([left, right]), trace_row, ui["status"],
+                            w.HBox([ui["play"], ui["time"]]), ui["image"], ui["table"]])
+        self._sync_controls()
+        self.redraw()
+        return ui["box"]
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget()._repr_mimebundle_(**kwargs)
+
+    def _sync_controls(self) -> None:
+        ui = self._ui
+        synthetic = self.trace is None
+        for k in ("num_requests", "rate", "prompt", "output", "dist", "prefix", "n"):
+            ui[k].disabled = not synthetic
+        for key, value in (("block_size", self.config.block_size),
+                           ("budget", self.config.budget_slots), ("max_len", self.config.max_len)):
+            ui[key].unobserve(self._on_workload, names="value")
+            if key == "block_size":
+                ui[key].value = value
+            else:
+                ui[key].value = max(ui[key].min, min(ui[key].max, value or ui[key].min))
+            ui[key].observe(self._on_workload, names="value")
+        self._update_time_range()
+        ui["status"].value = ("replaying a recorded engine trace: workload controls are fixed; "
+                              "block size and budget still apply"
+                              if not synthetic else "synthetic workload: every control re-runs "
+                              "all three allocators")
+
+    def _update_time_range(self) -> None:
+        ui = self._ui
+        top = max(0, self.num_steps - 1)
+        ui["time"].unobserve(self._on_time, names="value")
+        ui["time"].max = top
+        ui["play"].max = top
+        ui["time"].value = min(self.t, top)
+        ui["time"].observe(self._on_time, names="value")
+
+    def _on_workload(self, _change=None) -> None:
+        ui = self._ui
+        s, c = self.spec, self.config
+        c.block_size = int(ui["block_size"].value)
+        c.budget_slots = int(ui["budget"].value)
+        c.max_len = int(ui["max_len"].value)
+        s.num_requests = int(ui["num_requests"].value)
+        s.arrival_rate = float(ui["rate"].value) or None
+        s.prompt_len = tuple(ui["prompt"].value)
+        s.output_len = tuple(ui["output"].value)
+        s.length_dist = ui["dist"].value
+        s.shared_prefix = bool(ui["prefix"].value)
+        s.n = int(ui["n"].value)
+        try:
+            self.recompute()
+        except Exception as e:     # a bad combination must not kill the widget
+            ui["status"].value = f"<span style='color:#c00'>{type(e).__name__}: {e}</span>"
+            return
+        self._update_time_range()
+        self.redraw()
+
+    def _on_allocator(self, change) -> None:
+        self.allocator = change["new"]
+        self.redraw()
+
+    def _on_time(self, change) -> None:
+        self.t = int(change["new"])
+        self.redraw()
+
+    def _on_load(self, _button=None) -> None:
+        path = self._ui["trace_path"].value.strip()
+        try:
+            self.load_trace(path)
+        except Exception as e:
+            self._ui["status"].value = f"<span style='color:#c00'>could not load {path!r}: {e}</span>"
