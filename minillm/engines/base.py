@@ -17,7 +17,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from ..memory import KVUsage, MemorySnapshot
+from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
 from ..metrics import RunMetrics, StepRecord, summarize
 from ..models import LoadedModel
 from ..request import FinishReason, Request, RequestError, RequestOutput
@@ -220,6 +220,24 @@ class Engine:
         outputs = [done[r.request_id] for r in requests]
         metrics = summarize(self.name, outputs, steps, duration, self.model.kv_bytes_per_token)
         return RunResult(outputs, metrics, steps)
+
+
+class ContiguousEngine(Engine):
+    """Steps 0-2 keep each request's KV in one contiguous row of a rectangle. Each says where its
+    rows are (``_rows``: ``(request_id, pad_left, num_tokens, num_reserved)`` or ``None`` for a
+    hole, and the width); the counts and the picture follow from that one description."""
+
+    def _rows(self) -> tuple[list, int]:
+        raise NotImplementedError
+
+    def kv_usage(self) -> KVUsage:
+        rows, width = self._rows()
+        return rectangle_usage(rows, width, self.model.kv_bytes_per_token)
+
+    def snapshot(self) -> MemorySnapshot:
+        rows, width = self._rows()
+        return rectangle_snapshot(self.name, self.step_count, rows, width,
+                                  self.model.kv_bytes_per_token)
 
 
 def timed_ms(fn, *args, **kwargs):

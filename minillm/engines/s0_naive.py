@@ -18,13 +18,12 @@ from collections import deque
 import torch
 from transformers import DynamicCache
 
-from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
 from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
-from .base import Engine, StepOutput, timed_ms
+from .base import ContiguousEngine, StepOutput, timed_ms
 
 
-class NaiveEngine(Engine):
+class NaiveEngine(ContiguousEngine):
     """One request at a time through the Hugging Face model, with or without its KV cache."""
 
     def __init__(self, model, use_cache: bool = True):
@@ -91,11 +90,3 @@ class NaiveEngine(Engine):
         # Without a cache the keys/values exist only during the forward pass and are then dropped.
         n = req.num_tokens - 1 if self.use_cache else 0
         return [(req.request_id, 0, n, 0)], n
-
-    def kv_usage(self) -> KVUsage:
-        rows, width = self._rows()
-        return rectangle_usage(rows, width, self.model.kv_bytes_per_token)
-
-    def snapshot(self) -> MemorySnapshot:
-        rows, width = self._rows()
-        return rectangle_snapshot(self.name, self.step_count, rows, width, self.model.kv_bytes_per_token)

@@ -17,14 +17,13 @@ from collections import deque
 import torch
 from transformers import StaticCache
 
-from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
 from ..request import FinishReason, Request, check_int
 from ..sampling import sample_next_tokens
-from .base import Engine, StepOutput, timed_ms
+from .base import ContiguousEngine, StepOutput, timed_ms
 from .padded import hf_forward, left_pad
 
 
-class StaticBatchEngine(Engine):
+class StaticBatchEngine(ContiguousEngine):
     name = "static"
 
     def __init__(self, model, batch_size: int = 32):
@@ -112,11 +111,3 @@ class StaticBatchEngine(Engine):
             ntok = r.num_tokens - 1  # the newest token is not in the KV yet (fed next step)
             rows.append((r.request_id, pad, ntok, width - pad - ntok))
         return rows, width
-
-    def kv_usage(self) -> KVUsage:
-        rows, width = self._rows()
-        return rectangle_usage(rows, width, self.model.kv_bytes_per_token)
-
-    def snapshot(self) -> MemorySnapshot:
-        rows, width = self._rows()
-        return rectangle_snapshot(self.name, self.step_count, rows, width, self.model.kv_bytes_per_token)

@@ -23,14 +23,13 @@ from collections import deque
 import torch
 from transformers import DynamicCache
 
-from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
 from ..request import FinishReason, Request, check_int
 from ..sampling import sample_next_tokens
-from .base import Engine, StepOutput, timed_ms
+from .base import ContiguousEngine, StepOutput, timed_ms
 from .padded import PaddedKV, hf_forward, left_pad
 
 
-class DynamicBatchEngine(Engine):
+class DynamicBatchEngine(ContiguousEngine):
     name = "dynamic"
     supports_abort = True
 
@@ -155,7 +154,7 @@ class DynamicBatchEngine(Engine):
                 out.finished.append(req)
 
     # --- memory: the rectangle as it really is, holes and padding included ---------------------
-    def _layout(self):
+    def _rows(self):
         if self.kv is None:
             return [], 0
         lens = self.kv.mask.sum(1).tolist()
@@ -163,11 +162,3 @@ class DynamicBatchEngine(Engine):
         rows = [None if r is None else (r.request_id, width - n, n, 0)
                 for r, n in zip(self.rows, lens)]
         return rows, width
-
-    def kv_usage(self) -> KVUsage:
-        rows, width = self._layout()
-        return rectangle_usage(rows, width, self.model.kv_bytes_per_token)
-
-    def snapshot(self) -> MemorySnapshot:
-        rows, width = self._layout()
-        return rectangle_snapshot(self.name, self.step_count, rows, width, self.model.kv_bytes_per_token)
