@@ -1,20 +1,28 @@
 """One picture of KV-cache memory that every step emits, so one plotting function draws them all.
 
 The KV cache is drawn as a grid of *token slots*: one cell holds one token's keys and values for
-every layer (``bytes_per_slot`` bytes). What a row means depends on the step:
+every layer (``bytes_per_slot`` bytes). What a row means is the snapshot's ``layout``:
 
-* steps 0-2 (contiguous KV): a row is one batch row of the padded rectangle; columns are positions.
-* step 3 (paged KV): a row is one physical block; columns are the ``block_size`` slots inside it.
+* ``"rectangle"`` (steps 0-2, contiguous KV): a row is one batch row; columns are positions;
+* ``"blocks"`` (step 3, paged KV): a row is one physical block; columns are its ``block_size`` slots;
+* ``"address"`` (the visualizer's contiguous allocators): one flat address space, wrapped in rows.
 
-Each cell has a *kind* and an *owner*:
+Each cell has a *kind* and an *owner* (an index into ``owners``). The kinds, in the vocabulary of
+the vLLM paper (Kwon et al., 2023), which sorts wasted KV memory into three kinds:
 
-* ``TOKEN``    a real token of a live request (owner = index into ``owners``)
-* ``PADDING``  allocated and computed over, but holds no token (left padding, rectangle holes)
-* ``RESERVED`` allocated for a request's future tokens that may never come
-* ``FREE``     not allocated to anyone
-* ``CACHED``   (paged only) a freed block kept because its contents may be reused by prefix caching
+* ``TOKEN``    holds a real token of a live request;
+* ``RESERVED`` *reserved*: held for tokens a request may still produce (a contiguous allocator
+  reserves a request's whole future up front; much of it is never written);
+* ``PADDING``  *internal fragmentation* of a rectangle: computed over, holds no token (left
+  padding, the rows of requests that left);
+* ``TAIL``     *internal fragmentation* of a block: the unfilled slots of a sequence's last block,
+  fewer than ``block_size`` per sequence;
+* ``FREE``     not allocated (free space too scattered to use is *external fragmentation*: the
+  contiguous allocators report it in ``extra["external_slots"]``; paged memory has none);
+* ``CACHED``   (paged) a freed block kept because prefix caching may reuse its contents.
 
-Waste = allocated slots that hold no token / allocated slots. Notebook 02 and 05 teach this.
+Waste = allocated slots that hold no token / allocated slots (``waste_fraction``, the one place
+that formula is written). Notebooks 02, 03 and 05 teach this.
 """
 from __future__ import annotations
 
@@ -22,15 +30,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FREE, TOKEN, PADDING, RESERVED, CACHED = 0, 1, 2, 3, 4
-KIND_NAMES = {FREE: "free", TOKEN: "token", PADDING: "padding", RESERVED: "reserved", CACHED: "cached"}
+FREE, TOKEN, PADDING, RESERVED, CACHED, TAIL = 0, 1, 2, 3, 4, 5
+KIND_NAMES = {FREE: "free", TOKEN: "token", PADDING: "padding", RESERVED: "reserved",
+              CACHED: "cached", TAIL: "block tail"}
+ALLOCATED = (TOKEN, PADDING, RESERVED, TAIL)     # kinds some request holds
+INTERNAL = (PADDING, TAIL)                       # internal fragmentation
+LAYOUTS = ("rectangle", "blocks", "address")
+
+
+def waste_fraction(token_slots: float, allocated_slots: float) -> float:
+    """The share of allocated KV slots that hold no token (0 when nothing is allocated)."""
+    return 1.0 - token_slots / allocated_slots if allocated_slots else 0.0
 
 
 @dataclass
 class KVUsage:
     """The counts behind a snapshot, cheap enough to record at every engine step."""
 
-    allocated_slots: int    # slots some request (or the cache) holds: TOKEN + PADDING + RESERVED
+    allocated_slots: int    # slots some request holds: TOKEN + PADDING + RESERVED + TAIL
     token_slots: int        # slots that hold a real token
     total_slots: int        # capacity of the pool (0 = grows on demand)
     bytes_per_slot: int
@@ -45,7 +62,7 @@ class KVUsage:
 
     @property
     def waste_fraction(self) -> float:
-        return 1.0 - self.token_slots / self.allocated_slots if self.allocated_slots else 0.0
+        return waste_fraction(self.token_slots, self.allocated_slots)
 
 
 @dataclass
@@ -54,18 +71,23 @@ class MemorySnapshot:
 
     engine: str
     step: int
-    kind: np.ndarray                  # int8 [rows, cols] of FREE/TOKEN/PADDING/RESERVED/CACHED
+    kind: np.ndarray                  # int8 [rows, cols] of the kinds above
     owner: np.ndarray                 # int32 [rows, cols]: index into ``owners``, -1 for none
     owners: list[str]                 # request ids
     bytes_per_slot: int
-    row_label: str = "batch row"      # "batch row" (steps 0-2) or "block" (step 3)
+    row_label: str = "batch row"      # what a row is, for axis labels only
     ref_counts: np.ndarray | None = None   # paged: sequences sharing each block
     time_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    layout: str = "rectangle"         # "rectangle" | "blocks" | "address": what a row means
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     @property
     def usage(self) -> KVUsage:
-        allocated = int(np.isin(self.kind, (TOKEN, PADDING, RESERVED)).sum())
+        allocated = int(np.isin(self.kind, ALLOCATED).sum())
         return KVUsage(allocated, int((self.kind == TOKEN).sum()), self.kind.size, self.bytes_per_slot)
 
     def to_dict(self) -> dict:
@@ -74,14 +96,15 @@ class MemorySnapshot:
                 "owner": self.owner.tolist(), "owners": self.owners,
                 "bytes_per_slot": self.bytes_per_slot, "row_label": self.row_label,
                 "ref_counts": None if self.ref_counts is None else self.ref_counts.tolist(),
-                "time_s": self.time_s, "extra": self.extra}
+                "time_s": self.time_s, "extra": self.extra, "layout": self.layout}
 
     @classmethod
     def from_dict(cls, d: dict) -> "MemorySnapshot":
         rc, shape = d.get("ref_counts"), tuple(d["shape"])
         return cls(d["engine"], d["step"], np.array(d["kind"], dtype=np.int8).reshape(shape),
                    np.array(d["owner"], dtype=np.int32).reshape(shape), d["owners"], d["bytes_per_slot"], d.get("row_label", "batch row"),
-                   None if rc is None else np.array(rc), d.get("time_s", 0.0), d.get("extra", {}))
+                   None if rc is None else np.array(rc), d.get("time_s", 0.0), d.get("extra", {}),
+                   d.get("layout", "blocks" if d.get("row_label") == "block" else "rectangle"))
 
 
 def rectangle_snapshot(engine: str, step: int, rows: list[tuple[str, int, int, int]] | list[None],

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .memory import KVUsage
+from .memory import KVUsage, waste_fraction
 from .request import FinishReason, RequestOutput
 
 
@@ -88,7 +88,7 @@ def summarize(engine: str, outputs: list[RequestOutput], steps: list[StepRecord]
         latency_p99_s=percentile(lat, 99),
         peak_kv_allocated_bytes=max((s.allocated_slots for s in steps), default=0) * bytes_per_slot,
         peak_kv_token_bytes=max((s.token_slots for s in steps), default=0) * bytes_per_slot,
-        kv_waste_pct=100.0 * (1 - used / alloc) if alloc else 0.0,
+        kv_waste_pct=100.0 * waste_fraction(used, alloc),
         peak_concurrency=max((s.num_running for s in steps), default=0),
         num_steps=len(steps), num_preemptions=sum(o.num_preemptions for o in outputs),
     )

@@ -221,3 +221,26 @@ def test_the_engine_records_when_requests_arrive(tiny):
         trace_from_run(res, unrun, llm.engine)
     with pytest.raises(TypeError):
         trace_from_run(res, late, LLM(tiny, engine="dynamic").engine)
+
+
+@pytest.mark.parametrize("engine", ["static", "dynamic", "paged"])
+def test_every_snapshot_has_one_reading(tiny, engine):
+    """A snapshot's kinds say what they mean: the engine's own counts, the snapshot's usage and the
+    visualizer's breakdown agree, whoever reads it (block tails are internal, never reserved)."""
+    seen = []
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    LLM(tiny, engine=engine, **({"block_size": 4} if engine == "paged" else {})).generate(
+        random_prompts(5, seed=9), params, on_step=lambda snap, rec: seen.append((snap, rec)))
+    assert seen
+    for snap, rec in seen:
+        b = waste_breakdown(snap)
+        assert (b["token"], b["allocated"]) == (rec.token_slots, rec.allocated_slots)
+        assert b["internal"] + b["reserved"] == b["allocated"] - b["token"]
+        assert snap.usage.waste_fraction == pytest.approx(
+            1 - rec.token_slots / rec.allocated_slots if rec.allocated_slots else 0.0)
+        if engine == "paged":
+            assert snap.layout == "blocks" and b["reserved"] == 0
+        else:
+            assert snap.layout == "rectangle"
+    if engine == "static":
+        assert any(waste_breakdown(s)["reserved"] > 0 for s, _ in seen)

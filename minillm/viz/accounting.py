@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..memory import CACHED, FREE, PADDING, RESERVED, TOKEN, MemorySnapshot
+from ..memory import (ALLOCATED, CACHED, FREE, INTERNAL, RESERVED, TOKEN, MemorySnapshot,
+                      waste_fraction)
 
 ALLOCATORS = ("max-length", "exact", "paged")
 ALLOCATOR_LABELS = {"max-length": "max-length reservation", "exact": "exact contiguous",
@@ -76,7 +77,7 @@ class SimStep:
 
     @property
     def waste_fraction(self) -> float:
-        return 1.0 - self.token_slots / self.allocated_slots if self.allocated_slots else 0.0
+        return waste_fraction(self.token_slots, self.allocated_slots)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class SimResult:
         budget = self.config.budget_slots * max(1, len(self.steps))
         return {
             "allocator": self.allocator,
-            "waste_pct": 100.0 * (1 - tok / alloc) if alloc else 0.0,
+            "waste_pct": 100.0 * waste_fraction(tok, alloc),
             "internal_pct": 100.0 * sum(s.internal_slots for s in self.steps) / alloc if alloc else 0.0,
             "reserved_pct": 100.0 * sum(s.reserved_slots for s in self.steps) / alloc if alloc else 0.0,
             "external_pct_of_budget": 100.0 * sum(s.external_slots for s in self.steps) / budget,
@@ -110,18 +111,13 @@ class SimResult:
 
 
 def waste_breakdown(snap: MemorySnapshot) -> dict:
-    """Slots of each kind in a snapshot, by this module's definitions (works for every engine's
-    snapshot: a block pool's unfilled slots are last-block tails, a rectangle's padding is
-    internal waste, its reserved cells are future reservations)."""
+    """Slots of each kind in a snapshot (the same for every engine's and allocator's snapshot:
+    internal = padding + block tails, reserved = future reservations; see ``minillm.memory``)."""
     kind = snap.kind
-    token = int((kind == TOKEN).sum())
-    padding = int((kind == PADDING).sum())
-    res = int((kind == RESERVED).sum())
-    paged = snap.row_label == "block"
-    return {"token": token, "internal": padding + (res if paged else 0),
-            "reserved": 0 if paged else res, "external": int(snap.extra.get("external_slots", 0)),
-            "cached": int((kind == CACHED).sum()), "free": int((kind == FREE).sum()),
-            "allocated": token + padding + res}
+    count = {k: int(np.isin(kind, ks).sum()) for k, ks in
+             (("token", (TOKEN,)), ("internal", INTERNAL), ("reserved", (RESERVED,)),
+              ("cached", (CACHED,)), ("free", (FREE,)), ("allocated", ALLOCATED))}
+    return {**count, "external": int(snap.extra.get("external_slots", 0))}
 
 
 def summary_table(results: dict[str, SimResult]) -> str:

@@ -179,4 +179,4 @@ class ContiguousSim:
                               owner.reshape(rows, wrap), owners, self.cfg.bytes_per_slot,
                               "address row",
                               extra={"external_slots": ext, "external_holes": small,
-                                     "budget_slots": budget})
+                                     "budget_slots": budget}, layout="address")

@@ -82,7 +82,7 @@ def static_batch_figure(view: LiveMemoryView, index: int | None = None) -> Figur
 
 
 def _has_hole(snap: MemorySnapshot) -> bool:
-    return snap.row_label != "block" and bool((snap.kind == PADDING).all(axis=1).any())
+    return snap.layout == "rectangle" and bool((snap.kind == PADDING).all(axis=1).any())
 
 
 def dynamic_holes_figure(view: LiveMemoryView, baseline: LiveMemoryView | None = None,

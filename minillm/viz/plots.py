@@ -26,15 +26,15 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..memory import CACHED, FREE, PADDING, RESERVED, TOKEN, MemorySnapshot
+from ..memory import CACHED, FREE, PADDING, RESERVED, TAIL, TOKEN, MemorySnapshot, waste_fraction
 from .accounting import WASTE_KINDS
 
 # --- the palette: every colour of every picture, defined here once -----------------------------
 BLUE, RED, ORANGE, AMBER, LIGHT_BLUE = "#4c78a8", "#e45756", "#f58518", "#f2b447", "#9ecae9"
 LIGHT_GREY, GREY, EDGE_GREY, DARK_GREY = "#f2f2f2", "#bab0ac", "#999999", "#5b5b5b"
-WHITE = "#ffffff"
+WHITE, PINK = "#ffffff", "#f4a6a5"      # pink: a block's unfilled tail (internal, like padding)
 
-KIND_COLORS = {FREE: LIGHT_GREY, PADDING: RED, RESERVED: AMBER, CACHED: LIGHT_BLUE}
+KIND_COLORS = {FREE: LIGHT_GREY, PADDING: RED, TAIL: PINK, RESERVED: AMBER, CACHED: LIGHT_BLUE}
 # One colour per request, all clearly apart from the kind colours above (no light blue, orange,
 # red or grey, which would read as cached, reserved, padding or free).
 OWNER_COLORS = tuple(matplotlib.colors.to_rgb(c) for c in (
@@ -51,8 +51,8 @@ ABSENT, WORKING, IDLE = 0, 1, 2
 TIMELINE_COLORS = {ABSENT: WHITE, WORKING: BLUE, IDLE: RED}
 
 # --- the memory legend: what each cell colour of a memory map means -----------------------------
-MEMORY_LEGEND = ((PADDING, "padding / hole"), (RESERVED, "reserved"), (CACHED, "cached (free)"),
-                 (FREE, "free"))
+MEMORY_LEGEND = ((PADDING, "padding / hole"), (TAIL, "block tail"), (RESERVED, "reserved"),
+                 (CACHED, "cached (free)"), (FREE, "free"))
 EXTERNAL_LABEL = "external (hole too small)"
 
 
@@ -95,7 +95,7 @@ def plot_memory(snap: MemorySnapshot, ax=None, title: str | None = None, max_row
     """The KV memory map: rows are batch rows (steps 0-2) or blocks (step 3)."""
     ax = ax or plt.subplots(figsize=(8, 4))[1]
     rows = snap.kind.shape[0]
-    if snap.row_label == "block" and rows > max_rows:   # show the used part of a big pool
+    if snap.layout == "blocks" and rows > max_rows:   # show the used part of a big pool
         used = np.nonzero(snap.kind[:, 0] != FREE)[0]
         rows = min(rows, max(max_rows, int(used.max()) + 1 if used.size else 0))
     img = memory_image(snap)[:rows]
@@ -107,7 +107,7 @@ def plot_memory(snap: MemorySnapshot, ax=None, title: str | None = None, max_row
                           f"{u.allocated_slots} allocated ({100 * u.waste_fraction:.0f}% waste)",
                  fontsize=9)
     ax.set_ylabel(snap.row_label + "s")
-    ax.set_xlabel("slot (position)" if snap.row_label != "block" else "slot in block")
+    ax.set_xlabel("slot in block" if snap.layout == "blocks" else "slot (position)")
     if snap.ref_counts is not None and rows <= 48:
         for r in range(rows):
             if snap.ref_counts[r] > 1:
@@ -130,7 +130,8 @@ def as_address_space(snap: MemorySnapshot, blocks_per_row: int) -> MemorySnapsho
     return MemorySnapshot(snap.engine, snap.step, kind.reshape(rows, blocks_per_row * bs),
                           owner.reshape(rows, blocks_per_row * bs), snap.owners,
                           snap.bytes_per_slot, f"row of {blocks_per_row} block", None, snap.time_s,
-                          {**snap.extra, "blocks_per_row": blocks_per_row, "block_size": bs})
+                          {**snap.extra, "blocks_per_row": blocks_per_row, "block_size": bs},
+                          layout="address")
 
 
 def draw_snapshot(snap: MemorySnapshot, ax, title: str | None = None, max_rows: int = 64,
@@ -139,7 +140,7 @@ def draw_snapshot(snap: MemorySnapshot, ax, title: str | None = None, max_rows: 
     as its address space (several blocks per row, block edges marked), and holes too small for
     the next request (external fragmentation, recorded by the contiguous allocators of
     ``contiguous.py``) are shaded."""
-    if snap.row_label == "block" and snap.kind.shape[0] > max_rows:
+    if snap.layout == "blocks" and snap.kind.shape[0] > max_rows:
         snap = as_address_space(snap, -(-snap.kind.shape[0] // max_rows))
     plot_memory(snap, ax, title=title)
     per_row = snap.extra.get("blocks_per_row")
@@ -240,7 +241,7 @@ def plot_usage(steps, bytes_per_slot: int, ax=None, label: str = ""):
 def plot_waste(steps, ax=None, label: str = ""):
     """Waste % over time: allocated slots that hold no token."""
     ax = ax or plt.subplots(figsize=(7, 3))[1]
-    w = [100 * (1 - s.token_slots / s.allocated_slots) if s.allocated_slots else 0 for s in steps]
+    w = [100 * waste_fraction(s.token_slots, s.allocated_slots) for s in steps]
     ax.plot([s.step for s in steps], w, label=label)
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV waste %")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from ..memory import waste_fraction
 from .accounting import ALLOCATOR_LABELS, ALLOCATORS, SimConfig, SimResult
 from .allocators import compare
 from .notebook_figures import allocator_figure
@@ -92,7 +93,7 @@ class FragmentationVisualizer:
             alloc = sum(s["allocated_slots"] for s in es)
             tok = sum(s["token_slots"] for s in es)
             rows.append({"allocator": f"engine run ({self.trace.source or 'recorded'})",
-                         "waste_pct": 100 * (1 - tok / alloc) if alloc else 0.0,
+                         "waste_pct": 100 * waste_fraction(tok, alloc),
                          "internal_pct": float("nan"), "reserved_pct": float("nan"),
                          "external_pct_of_budget": float("nan"),
                          "peak_running": max(s["num_running"] for s in es), "steps": len(es),

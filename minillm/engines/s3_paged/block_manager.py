@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...memory import CACHED, FREE, RESERVED, TOKEN, MemorySnapshot
+from ...memory import CACHED, FREE, TAIL, TOKEN, MemorySnapshot
 from .sequence import Sequence
 
 BlockKey = tuple  # (parent hash, token ids of the block): the content a hash stands for
@@ -253,9 +253,10 @@ class BlockManager:
             for bid in s.block_table:
                 if owner[bid, 0] == -1:    # first holder is drawn as the owner of a shared block
                     owner[bid] = owners.index(rid)
-                    kind[bid] = RESERVED
+                    kind[bid] = TAIL          # internal fragmentation until filled
                     kind[bid, :fill.get(bid, 0)] = TOKEN
         ref = np.array([b.ref_count for b in self.blocks])
         return MemorySnapshot(engine, step, kind, owner, owners, bytes_per_slot, "block", ref,
                               extra={"block_tables": {s.seq_id: list(s.block_table) for s in seqs},
-                                     "cached_blocks": int((kind[:, 0] == CACHED).sum())})
+                                     "cached_blocks": int((kind[:, 0] == CACHED).sum())},
+                              layout="blocks")
