@@ -15,7 +15,7 @@ from minillm.memory import FREE, RESERVED, TOKEN
 from minillm.viz.accounting import ALLOCATORS, SimConfig, waste_breakdown
 from minillm.viz.allocators import compare, simulate
 from minillm.viz.traces import Trace, record_paged_run, replay_trace, trace_from_run
-from minillm.viz.workloads import SimRequest, WorkloadSpec
+from minillm.workload import SimRequest, WorkloadSpec
 
 
 # --- allocator invariants ----------------------------------------------------------------------

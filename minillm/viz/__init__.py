@@ -7,7 +7,6 @@ Widgets (ipywidgets classes that call the drawing functions):
   live_view.py         LiveMemoryView: KV memory while an engine runs, then a slider (00-05)
   visualizer.py        FragmentationVisualizer: workload controls, every allocator (05)
 The fragmentation visualizer's replays, no model needed (05):
-  workloads.py         SimRequest, WorkloadSpec: what is replayed
   accounting.py        the kinds of slots, SimConfig, SimStep/SimResult, waste_breakdown
   contiguous.py        ContiguousSim: the max-length and exact contiguous allocators
   paged_replay.py      PagedReplay: the real PagedEngine with a runner that computes nothing

@@ -1,7 +1,7 @@
 """Run a workload through the fragmentation visualizer's allocators, no model needed.
 
 Memory waste in a KV cache depends only on *who holds which slots when*, not on what the model
-computes. So a workload (``workloads.py``) runs through three allocators with a fake model step
+computes. So a workload (``minillm/workload.py``) runs through three allocators with a fake model step
 (every scheduled token is "computed" instantly, every sequence that reaches its end "samples" a
 token), and each step records how the memory is used (``accounting.py``). Hundreds of steps take a
 fraction of a second, which is what lets notebook 05 (``05_fragmentation_visualizer``) re-run
@@ -20,7 +20,7 @@ from collections import deque
 from .accounting import ALLOCATORS, SimConfig, SimResult
 from .contiguous import ContiguousSim
 from .paged_replay import PagedReplay
-from .workloads import SimRequest
+from ..workload import SimRequest
 
 
 def make_allocator(name: str, cfg: SimConfig, requests: list[SimRequest]):

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..memory import FREE, RESERVED, TOKEN, MemorySnapshot
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimStep
-from .workloads import SimRequest
+from ..workload import SimRequest
 
 
 @dataclass(eq=False)

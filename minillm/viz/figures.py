@@ -26,7 +26,7 @@ from .notebook import quick_mode
 from .notebook_figures import (dynamic_holes_figure, example_block_tables, fragmentation_figure,
                                kernel_grid_figure, kv_cache_cost_figure, most_shared,
                                paged_blocks_figure, static_batch_figure)
-from .workloads import WorkloadSpec
+from ..workload import WorkloadSpec
 
 FIGURES = Path(__file__).resolve().parents[2] / "figures"
 DPI = 110

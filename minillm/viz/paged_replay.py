@@ -19,7 +19,7 @@ from ..engines.s3_paged.sequence import Sequence
 from ..memory import MemorySnapshot
 from ..request import Request, RequestError, SamplingParams
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimStep
-from .workloads import SimRequest
+from ..workload import SimRequest
 
 
 REPLAY_EOS = -2       # the replay "model"'s end-of-sequence token: ends each sample where it ended

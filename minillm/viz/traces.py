@@ -17,7 +17,7 @@ from pathlib import Path
 from ..request import Request
 from .accounting import SimConfig, SimResult
 from .allocators import simulate
-from .workloads import SimRequest
+from ..workload import SimRequest
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """``FragmentationVisualizer``, the ipywidget of notebook 05 (``05_fragmentation_visualizer``).
 
-Controls for a workload (``workloads.py``) and the allocators (``allocators.py``), a time slider,
+Controls for a workload (``minillm/workload.py``) and the allocators (``allocators.py``), a time slider,
 a table of waste per allocator at the same budget, and loading of a trace recorded from a real
 engine run (``traces.py``). Every control re-runs all the allocators (``allocators.compare``).
 No drawing here: the picture is ``notebook_figures.allocator_figure``, rendered into PNG bytes
@@ -18,7 +18,7 @@ from .allocators import compare
 from .notebook_figures import allocator_figure
 from .plots import new_figure, render_png
 from .traces import Trace
-from .workloads import LENGTH_DISTS, WorkloadSpec
+from ..workload import LENGTH_DISTS, WorkloadSpec
 
 
 class FragmentationVisualizer:
