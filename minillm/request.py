@@ -140,6 +140,7 @@ class Request:
     added_step: int | None = None        # steps of its run done when the engine took it (traces)
     # n > 1 / beam search: every sample's (or beam's) tokens, best first, once the request ends
     samples: list[list[int]] = field(default_factory=list)
+    beam_choices: list = field(default_factory=list)   # beam search: each step's choice (traces)
 
     def __post_init__(self):
         if not self.request_id:

@@ -123,15 +123,20 @@ class SimRequest:
     arrival_step: int = 0                # added after this many engine steps
     priority: int = 0
     output_token_ids: list[list[int]] | None = None   # recorded tokens (trace), else dummies
+    beam_width: int = 1                  # > 1: a beam search, replayed from ``beam_choices``
+    beam_choices: list | None = None     # each step's ``BeamChoice.to_list()`` (traces only)
 
     def __post_init__(self):
         if not self.output_lens or min(self.output_lens) < 1:
             raise ValueError(f"{self.request_id}: every sample must produce >= 1 token")
         self.max_tokens = max(self.max_tokens, max(self.output_lens))
+        if self.beam_width > 1 and self.beam_choices is None:
+            raise ValueError(f"{self.request_id}: a beam search replays its recorded choices")
 
     @property
     def n(self) -> int:
-        return len(self.output_lens)
+        """Parallel samples (a beam search's final beams are not samples: 1)."""
+        return 1 if self.beam_width > 1 else len(self.output_lens)
 
     @property
     def prompt_len(self) -> int:

@@ -153,6 +153,11 @@ ENGINE_CASES = {
     "samples-stopping-at-eos": ({"num_blocks": 30, "block_size": 4}, {"n": 2, "eos": True}),
     "priority": ({"policy": "priority", "max_num_seqs": 2, "num_blocks": 16, "block_size": 4}, {}),
     "arrivals-over-time": ({"num_blocks": 20, "block_size": 4}, {"rate": 300.0}),
+    "beam-search": ({"num_blocks": 60, "block_size": 4}, {"beam": 3}),
+    "beams-preempted-prefix-cached": ({"num_blocks": 24, "block_size": 4, "max_num_batched_tokens": 16,
+                                       "enable_prefix_caching": True},
+                                      {"beam": 2, "shared": True, "eos": True}),
+    "mixed-n-beams-preempted": ({"num_blocks": 30, "block_size": 4}, {"n": 2, "beam_every": 3}),
 }
 
 
@@ -166,6 +171,10 @@ def engine_run(tiny, case: str):
     n = w.get("n", 1)
     params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=not w.get("eos"), n=n,
                              temperature=0.8 if n > 1 else 0.0, seed=1) for _ in prompts]
+    for i in range(len(params)):
+        if w.get("beam") or (w.get("beam_every") and i % w["beam_every"] == 0):
+            params[i] = SamplingParams(max_tokens=rng.randint(2, 16), beam_width=w.get("beam", 2),
+                                       ignore_eos=not w.get("eos"))
     llm = LLM(tiny, engine="paged", **options)
     reqs = llm.make_requests(prompts, params)
     for i, r in enumerate(reqs):
@@ -186,7 +195,7 @@ def test_trace_replay_equals_engine_exactly(tiny, case):
     assert replay.summary()["waste_pct"] == pytest.approx(result.metrics.kv_waste_pct, abs=1e-9)
     assert replay.summary()["peak_running"] == result.metrics.peak_concurrency
     assert replay.summary()["preemptions"] == result.metrics.num_preemptions
-    if case == "tiny-pool-preemption":
+    if case in ("tiny-pool-preemption", "beams-preempted-prefix-cached", "mixed-n-beams-preempted"):
         assert result.metrics.num_preemptions > 0
     if case == "arrivals-over-time":
         assert len({r.arrival_step for r in trace.requests}) > 1

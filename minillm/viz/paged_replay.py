@@ -17,6 +17,7 @@ import torch
 from ..engines.s3_paged.runner import reaching_end, step_order
 from ..engines.s3_paged.sequence import Sequence
 from ..memory import MemorySnapshot
+from ..engines.s3_paged.beam import BeamChoice
 from ..request import Request, RequestError, SamplingParams
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimStep
 from ..workload import SimRequest
@@ -58,17 +59,31 @@ class ReplaySampler:
         self.requests = requests
 
     def __call__(self, logits, rows: list[tuple[int, Sequence]]):
-        tokens = []
+        tokens, beams = [], []
         for _, seq in rows:
             r, k = self.requests[seq.request.request_id], len(seq.output_token_ids)
+            if r.beam_width > 1:      # no scores needed: ``replay_beams`` knows the choice
+                beams.append((seq, torch.zeros(1)))
+                continue
             last = k + 1 >= r.output_lens[seq.sample_id]
             tokens.append((seq, REPLAY_EOS if last else r.token(seq.sample_id, k)))
-        return tokens, []
+        return tokens, beams
+
+
+class ReplayBeams:
+    """Beam search's choice at each step, as the recorded run made it (``BeamChoice``)."""
+
+    def __init__(self, requests: dict[str, SimRequest]):
+        self.requests = requests
+
+    def __call__(self, group, eos_ids, max_model_len) -> BeamChoice:
+        recorded = self.requests[group.request.request_id].beam_choices
+        return BeamChoice.from_list(recorded[len(group.request.beam_choices)])
 
 
 class PagedReplay:
     """The paged allocator *is* the paged engine: ``PagedEngine`` with its real scheduler, block
-    manager and postprocess, given ``NullRunner`` and ``ReplaySampler``. Nothing here repeats what
+    manager and postprocess, given ``NullRunner``, ``ReplaySampler`` and ``ReplayBeams``. Nothing here repeats what
     the engine does, so a replay cannot drift from it."""
 
     name = "paged"
@@ -83,11 +98,12 @@ class PagedReplay:
             max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=cfg.enable_prefix_caching,
             policy=cfg.policy, runner=NullRunner(), sampler=ReplaySampler(self.requests))
         self.bm, self.scheduler = self.engine.block_manager, self.engine.scheduler
+        self.scheduler.select_beams = ReplayBeams(self.requests)
         self.num_finished = 0
 
     @staticmethod
     def _request(r: SimRequest) -> Request:
-        params = SamplingParams(max_tokens=r.max_tokens, n=r.n)
+        params = SamplingParams(max_tokens=r.max_tokens, n=r.n, beam_width=r.beam_width)
         return Request(list(r.prompt_token_ids), params, request_id=r.request_id,
                        priority=r.priority)
 

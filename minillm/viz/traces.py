@@ -87,8 +87,6 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "") ->
             continue                                 # rejected by validate: never added
         if out.finish_reason == FR.ABORT:
             raise ValueError(f"{req.request_id} was aborted: traces of aborted runs are not supported")
-        if req.params.beam_width > 1:
-            raise NotImplementedError("beam search is not replayed (its forks depend on scores)")
         if req.added_step is None:
             raise ValueError(f"{req.request_id} was not added by Engine.run: trace a run of "
                              "engine.run(requests) (or LLM.run)")
@@ -96,7 +94,8 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "") ->
         samples = out.samples if out.samples else [out.token_ids]
         sims.append(SimRequest(req.request_id, list(req.prompt_token_ids),
                                [len(s) for s in samples], req.params.max_tokens, step,
-                               req.priority, [list(s) for s in samples]))
+                               req.priority, [list(s) for s in samples], req.params.beam_width,
+                               req.beam_choices if req.params.beam_width > 1 else None))
     sched = engine.scheduler
     return Trace(sims, engine.block_size, engine.block_manager.num_blocks,
                  sched.max_num_batched_tokens, sched.max_num_seqs,

@@ -10,6 +10,7 @@ with a block table and expensive with a contiguous cache.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,45 +19,77 @@ from .block_manager import BlockManager
 from .sequence import Sequence, SequenceGroup
 
 
-def beam_step(group: SequenceGroup, bm: BlockManager, eos_ids: set[int], max_model_len: int) -> None:
-    """Advance ``group``'s beams by one token once every beam has its log-probabilities."""
+@dataclass
+class BeamChoice:
+    """One step of one request's beam search, as indices into its beams (so it can be recorded,
+    and replayed by the visualizer without the model): the continuations kept, the ones that
+    stopped (end-of-sequence among the best), and whether the search is over."""
+
+    kept: list[tuple[int, int, float]]       # (parent beam, token, cumulative log-prob)
+    stopped: list[tuple[int, int, float]]
+    done: bool
+
+    def to_list(self) -> list:
+        return [[list(k) for k in self.kept], [list(k) for k in self.stopped], self.done]
+
+    @classmethod
+    def from_list(cls, d: list) -> "BeamChoice":
+        return cls([tuple(k) for k in d[0]], [tuple(k) for k in d[1]], bool(d[2]))
+
+
+def select_beams(group: SequenceGroup, eos_ids: set[int], max_model_len: int) -> BeamChoice:
+    """The best ``beam_width`` continuations over all beams, from their log-probabilities."""
     beams = group.seqs
-    if any(b.pending_logprobs is None for b in beams):
-        return  # some beam is still being recomputed after a preemption
     p, width = group.request.params, group.request.params.beam_width
     scores = torch.stack([b.cum_logprob + b.pending_logprobs for b in beams])
     vocab = scores.shape[1]
     top_scores, top_idx = scores.flatten().topk(min(2 * width, scores.numel()))
-    chosen: list[tuple[Sequence, int, float]] = []
+    kept, stopped = [], []
     gen_len = len(beams[0].output_token_ids) + 1
     for rank, (score, idx) in enumerate(zip(top_scores.tolist(), top_idx.tolist())):
-        parent, tok = beams[idx // vocab], idx % vocab
+        parent, tok = idx // vocab, idx % vocab
         if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
             if rank < width:
-                add_hypothesis(group, parent.token_ids + [tok], score / gen_len, parent.prompt_len,
-                               FinishReason.STOP)
-        elif len(chosen) < width:
-            chosen.append((parent, tok, score))
+                stopped.append((parent, tok, score))
+        elif len(kept) < width:
+            kept.append((parent, tok, score))
     at_length = gen_len >= p.max_tokens or beams[0].num_tokens + 1 >= max_model_len
-    best_running = chosen[0][2] / gen_len if chosen else float("-inf")
-    done = at_length or not chosen or (
-        len(group.done_seqs) >= width and min(s.cum_logprob for s in group.done_seqs) >= best_running)
+    best_running = kept[0][2] / gen_len if kept else float("-inf")
+    finished = sorted([s.cum_logprob for s in group.done_seqs] + [s / gen_len for *_, s in stopped],
+                      reverse=True)[:width]
+    done = at_length or not kept or (len(finished) >= width and min(finished) >= best_running)
+    return BeamChoice(kept, stopped, done)
+
+
+def beam_step(group: SequenceGroup, bm: BlockManager, eos_ids: set[int], max_model_len: int,
+              select=select_beams) -> None:
+    """Advance ``group``'s beams by one token once every beam has its log-probabilities.
+    ``select`` makes the choice (the visualizer passes one that replays a recorded search)."""
+    beams = group.seqs
+    if any(b.pending_logprobs is None for b in beams):
+        return  # some beam is still being recomputed after a preemption
+    choice = select(group, eos_ids, max_model_len)
+    group.request.beam_choices.append(choice.to_list())
+    gen_len = len(beams[0].output_token_ids) + 1
+    for parent, tok, score in choice.stopped:
+        add_hypothesis(group, beams[parent].token_ids + [tok], score / gen_len,
+                       beams[parent].prompt_len, FinishReason.STOP)
     # Fork before any token is appended: a child must copy its parent's pre-step state.
     claimed: set[int] = set()
     new_beams = []
-    for parent, tok, score in chosen:
-        seq = parent if id(parent) not in claimed else bm.fork(parent)
-        claimed.add(id(parent))
+    for parent, tok, score in choice.kept:
+        seq = beams[parent] if parent not in claimed else bm.fork(beams[parent])
+        claimed.add(parent)
         new_beams.append((seq, tok, score))
-    for b in beams:
+    for i, b in enumerate(beams):
         b.pending_logprobs = None
-        if id(b) not in claimed:
+        if i not in claimed:
             bm.free(b)
     group.seqs = []
     for seq, tok, score in new_beams:
         seq.token_ids.append(tok)
         seq.cum_logprob = score
-        if done:
+        if choice.done:
             add_hypothesis(group, seq.token_ids, score / gen_len, seq.prompt_len, FinishReason.LENGTH)
             bm.free(seq)
         else:

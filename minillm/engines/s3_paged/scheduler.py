@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...request import FinishReason, Request, RequestError, stop_reason
-from .beam import beam_step
+from .beam import beam_step, select_beams
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceGroup
 
@@ -64,6 +64,7 @@ class Scheduler:
         self.policy = policy
         self.eos_ids, self.max_model_len = set(eos_ids), max_model_len
         self.groups: dict[str, SequenceGroup] = {}    # request id -> group, until it finishes
+        self.select_beams = select_beams               # the visualizer replays recorded choices
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
@@ -225,7 +226,7 @@ class Scheduler:
         finished = []
         for group in touched.values():
             if group.request.params.beam_width > 1:
-                beam_step(group, self.bm, self.eos_ids, self.max_model_len)
+                beam_step(group, self.bm, self.eos_ids, self.max_model_len, self.select_beams)
             if not group.seqs:
                 finished.append(self.finish_group(group))
         return finished
