@@ -3,6 +3,7 @@ and the Hugging Face reference every engine is checked against."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -63,3 +64,20 @@ def assert_greedy_match(got: list[int], ref: Reference, tie_tol: float = 1e-3, l
 def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def drain(engine, finals: Counter | None = None, max_steps: int = 10_000) -> Counter:
+    """Step ``engine`` until it has nothing left, counting each finished request in ``finals``;
+    a bound on the steps turns a hang into a failure."""
+    finals = Counter() if finals is None else finals
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return finals
+        for req in engine.step().finished:
+            finals[req.request_id] += 1
+    state = ""
+    if hasattr(engine, "scheduler"):
+        state = (f": waiting {len(engine.scheduler.waiting)}, running "
+                 f"{len(engine.scheduler.running)}, free blocks "
+                 f"{engine.block_manager.num_free_blocks}")
+    raise AssertionError(f"engine never drained: no end after {max_steps} steps{state}")

@@ -8,22 +8,9 @@ from collections import Counter
 
 import pytest
 
-from conftest import random_prompts
+from conftest import drain, random_prompts
 from minillm import LLM, FinishReason, Request, SamplingParams
 from minillm.engines import ENGINES, create_engine
-
-
-def drain(engine, max_steps: int = 2_000) -> Counter:
-    """Step until done; a watchdog turns a hang into a failure."""
-    finals = Counter()
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return finals
-        for req in engine.step().finished:
-            finals[req.request_id] += 1
-    raise AssertionError(f"no progress after {max_steps} steps: waiting "
-                         f"{len(engine.scheduler.waiting)}, running {len(engine.scheduler.running)}, "
-                         f"free blocks {engine.block_manager.num_free_blocks}")
 
 
 def assert_pool_full(engine) -> None:

@@ -7,18 +7,9 @@ from collections import Counter
 
 import pytest
 
-from conftest import random_prompts
+from conftest import drain, random_prompts
 from minillm import FinishReason, LLM, Request, RequestError, SamplingParams
 from minillm.engines import create_engine
-
-
-def drain(engine, finals: Counter) -> None:
-    guard = 0
-    while engine.has_unfinished():
-        for req in engine.step().finished:
-            finals[req.request_id] += 1
-        guard += 1
-        assert guard < 10_000, "engine never drained"
 
 
 @pytest.mark.parametrize("engine_name", ["dynamic", "paged"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-
 from ...memory import KVUsage, MemorySnapshot
 from ...request import FinishReason, Request, RequestError, check_int
 from ..base import Engine, StepOutput
@@ -18,8 +17,7 @@ from .attention import TorchAttention
 from .block_manager import BlockManager, blocks_for_request
 from .runner import ModelRunner
 from .sampler import Sampler
-from .scheduler import Scheduler, SequenceGroup
-from .sequence import Sequence
+from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -134,20 +132,20 @@ class PagedEngine(Engine):
         t = time.perf_counter()
         self.runner.copy_blocks(sched.copies)
         reached, logits = self.runner.run(sched.scheduled)
-        self._account(out, sched.scheduled, (time.perf_counter() - t) * 1000.0)
+        self._account(out, sched, (time.perf_counter() - t) * 1000.0)
         self.scheduler.commit_computed(sched)
         tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(reached))
         out.finished += self.scheduler.postprocess(tokens, beam_logprobs)
         return out
 
     @staticmethod
-    def _account(out: StepOutput, scheduled: list[tuple[Sequence, int]], ms: float) -> None:
+    def _account(out: StepOutput, sched: SchedulerOutput, ms: float) -> None:
         """A mixed step's forward time is split between prefill and decode by token count."""
-        n_all = sum(n for _, n in scheduled)
-        n_dec = sum(1 for s, n in scheduled if n == 1 and s.num_computed_tokens >= s.prompt_len)
+        n_all = sched.num_tokens
+        n_dec = sum(1 for s, n in sched.scheduled if n == 1 and s.num_computed_tokens >= s.prompt_len)
         out.prefill_ms, out.decode_ms = ms * (n_all - n_dec) / n_all, ms * n_dec / n_all
         out.num_prefill_tokens, out.num_decode_tokens = n_all - n_dec, n_dec
-        out.batch_size = len(scheduled)
+        out.batch_size = len(sched.scheduled)
 
     # --- memory -----------------------------------------------------------------------------------
     def kv_usage(self) -> KVUsage:

@@ -251,14 +251,14 @@ class Scheduler:
         """End a request: free its blocks and record its samples, best first (beams by score,
         parallel samples in order). ``reason`` (an abort) also ends the sequences still running,
         which keep their partial tokens."""
-        req = group.request
+        req, beams = group.request, group.request.params.beam_width > 1
         for seq in group.seqs:
             seq.finish_reason = reason
-            seq.cum_logprob /= max(1, len(seq.output_token_ids))   # as a finished hypothesis
+            if beams:   # a running beam is ranked like a finished hypothesis: length-normalized
+                seq.cum_logprob /= max(1, len(seq.output_token_ids))
         done = group.done_seqs + group.seqs
         self.finish(group)
-        done.sort(key=(lambda s: -s.cum_logprob) if req.params.beam_width > 1 else
-                  (lambda s: s.sample_id))
+        done.sort(key=(lambda s: -s.cum_logprob) if beams else (lambda s: s.sample_id))
         req.samples = [list(s.output_token_ids) for s in done]
         req.output_token_ids = list(req.samples[0])
         req.finish(reason or done[0].finish_reason)
