@@ -196,7 +196,7 @@ def exp_parallel(model, n: int, seed: int, options: dict) -> dict:
     out = {}
     for label, items in (("n4", shared), ("independent", independent)):
         res = run_engine(model, "paged", items, {**options, "max_num_seqs": 4 * n})
-        out[label] = {"peak_blocks": max(s.allocated_slots for s in res.steps) // options.get("block_size", 16),
+        out[label] = {"peak_blocks": max(s.kv.allocated for s in res.steps) // options.get("block_size", 16),
                       "output_tokens": res.metrics.output_tokens}
     out["block_saving_pct"] = 100 * (1 - out["n4"]["peak_blocks"] / out["independent"]["peak_blocks"])
     return out

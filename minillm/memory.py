@@ -5,7 +5,8 @@ every layer (``bytes_per_slot`` bytes). What a row means is the snapshot's ``lay
 
 * ``"rectangle"`` (steps 0-2, contiguous KV): a row is one batch row; columns are positions;
 * ``"blocks"`` (step 3, paged KV): a row is one physical block; columns are its ``block_size`` slots;
-* ``"address"`` (the visualizer's contiguous allocators): one flat address space, wrapped in rows.
+* ``"address"`` (the contiguous allocators): one flat address space of ``extra["budget_slots"]``
+  slots, wrapped in rows (cells past its end, in the last row, are not memory).
 
 Each cell has a *kind* and an *owner* (an index into ``owners``). The kinds, in the vocabulary of
 the vLLM paper (Kwon et al., 2023), which sorts wasted KV memory into three kinds:
@@ -21,8 +22,10 @@ the vLLM paper (Kwon et al., 2023), which sorts wasted KV memory into three kind
   contiguous allocators report it in ``extra["external_slots"]``; paged memory has none);
 * ``CACHED``   (paged) a freed block kept because prefix caching may reuse its contents.
 
-Waste = allocated slots that hold no token / allocated slots (``waste_fraction``, the one place
-that formula is written). Notebooks 02, 03 and 05 teach this.
+``KVCounts`` is the one set of counts of these kinds: every engine step records it, the block
+manager and the contiguous allocators report it, and ``MemorySnapshot.counts`` reads the same numbers
+off a picture. Waste = allocated slots that hold no token / allocated slots (``waste_fraction``,
+the one place that formula is written). Notebooks 02, 03 and 05 teach this.
 """
 from __future__ import annotations
 
@@ -31,9 +34,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FREE, TOKEN, PADDING, RESERVED, CACHED, TAIL = 0, 1, 2, 3, 4, 5
-KIND_NAMES = {FREE: "free", TOKEN: "token", PADDING: "padding", RESERVED: "reserved",
-              CACHED: "cached", TAIL: "block tail"}
-ALLOCATED = (TOKEN, PADDING, RESERVED, TAIL)     # kinds some request holds
 INTERNAL = (PADDING, TAIL)                       # internal fragmentation
 LAYOUTS = ("rectangle", "blocks", "address")
 
@@ -44,25 +44,35 @@ def waste_fraction(token_slots: float, allocated_slots: float) -> float:
 
 
 @dataclass
-class KVUsage:
-    """The counts behind a snapshot, cheap enough to record at every engine step."""
+class KVCounts:
+    """Slots of each kind: the one set of counts every engine step, block manager, allocator and
+    snapshot reports, so every table and plot reads the same numbers. Cheap enough to compute at
+    every step without drawing a snapshot (``MemorySnapshot.counts`` gives the same from a
+    picture; a test holds the two equal)."""
 
-    allocated_slots: int    # slots some request holds: TOKEN + PADDING + RESERVED + TAIL
-    token_slots: int        # slots that hold a real token
-    total_slots: int        # capacity of the pool (0 = grows on demand)
-    bytes_per_slot: int
+    token: int = 0          # slots holding a real token
+    internal: int = 0       # internal fragmentation: padding (rectangles), block tails (paged)
+    reserved: int = 0       # held for tokens a request may still produce
+    free: int = 0           # in nobody's hands (rectangles grow on demand: 0)
+    cached: int = 0         # paged: freed blocks kept for the prefix cache
+    external: int = 0       # of ``free``: holes too small for the request at the head of the queue
+    bytes_per_slot: int = 1
 
     @property
-    def allocated_bytes(self) -> int:
-        return self.allocated_slots * self.bytes_per_slot
+    def allocated(self) -> int:
+        return self.token + self.internal + self.reserved
 
     @property
-    def token_bytes(self) -> int:
-        return self.token_slots * self.bytes_per_slot
+    def total(self) -> int:
+        return self.allocated + self.free + self.cached
 
     @property
     def waste_fraction(self) -> float:
-        return waste_fraction(self.token_slots, self.allocated_slots)
+        return waste_fraction(self.token, self.allocated)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("token", "internal", "reserved", "free", "cached",
+                                              "external", "allocated")}
 
 
 @dataclass
@@ -86,9 +96,18 @@ class MemorySnapshot:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     @property
-    def usage(self) -> KVUsage:
-        allocated = int(np.isin(self.kind, ALLOCATED).sum())
-        return KVUsage(allocated, int((self.kind == TOKEN).sum()), self.kind.size, self.bytes_per_slot)
+    def counts(self) -> KVCounts:
+        """The slots of each kind in this picture (external fragmentation is not a cell kind: the
+        contiguous allocators record it in ``extra``)."""
+        cells = self.kind
+        if self.layout == "address":      # cells past the end of the address space are no memory
+            cells = cells.reshape(-1)[:self.extra.get("budget_slots", cells.size)]
+
+        def n(*kinds: int) -> int:
+            return int(np.isin(cells, kinds).sum())
+        return KVCounts(token=n(TOKEN), internal=n(*INTERNAL), reserved=n(RESERVED),
+                        free=n(FREE), cached=n(CACHED), external=int(self.extra.get("external_slots", 0)),
+                        bytes_per_slot=self.bytes_per_slot)
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "step": self.step, "shape": list(self.kind.shape),
@@ -128,8 +147,12 @@ def rectangle_snapshot(engine: str, step: int, rows: list[tuple[str, int, int, i
     return MemorySnapshot(engine, step, kind, owner, owners, bytes_per_slot)
 
 
-def rectangle_usage(rows: list[tuple[str, int, int, int]] | list[None], width: int,
-                    bytes_per_slot: int) -> KVUsage:
-    """The counts of ``rectangle_snapshot`` without building the grid (for per-step metrics)."""
+def rectangle_counts(rows: list[tuple[str, int, int, int]] | list[None], width: int,
+                     bytes_per_slot: int, num_rows: int | None = None) -> KVCounts:
+    """The counts of ``rectangle_snapshot`` without building the grid (for per-step metrics);
+    ``num_rows``: the rectangle's height when it has more rows than ``rows`` lists."""
     tokens = sum(r[2] for r in rows if r is not None)
-    return KVUsage(len(rows) * width, tokens, 0, bytes_per_slot)
+    reserved = sum(r[3] for r in rows if r is not None)
+    area = (len(rows) if num_rows is None else num_rows) * width
+    return KVCounts(token=tokens, internal=area - tokens - reserved, reserved=reserved,
+                    bytes_per_slot=bytes_per_slot)

@@ -9,27 +9,29 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .memory import KVUsage, waste_fraction
+from .memory import KVCounts, waste_fraction
 from .request import FinishReason, RequestOutput
 
 
 @dataclass
 class StepRecord:
+    """One engine step: what it computed, how long it took, and the KV memory after it. The
+    visualizer's replays record the same type (``Engine.record``), so a replay and a real run are
+    compared field by field."""
+
     step: int
-    time_s: float                 # since the run started
+    time_s: float = 0.0           # since the run started
     prefill_ms: float = 0.0       # forward time spent on prompt tokens
     decode_ms: float = 0.0        # forward time spent on one-token-per-sequence decoding
     batch_size: int = 0           # sequences in this step's forward
     num_prefill_tokens: int = 0   # prompt tokens computed this step (prefix-cache hits excluded)
     num_decode_tokens: int = 0
-    allocated_slots: int = 0      # KV slots held (tokens + padding + reserved)
-    token_slots: int = 0          # KV slots holding a real token
+    kv: KVCounts = field(default_factory=KVCounts)   # KV slots by kind after the step
     num_running: int = 0          # requests holding KV memory after the step
-
-    @classmethod
-    def with_usage(cls, usage: KVUsage, **kw) -> "StepRecord":
-        return cls(allocated_slots=usage.allocated_slots, token_slots=usage.token_slots, **kw)
-
+    num_waiting: int = 0          # requests waiting for memory after the step
+    num_finished: int = 0         # requests finished so far in this run
+    num_preemptions: int = 0      # so far in this run
+    prefix_hit_tokens: int = 0    # prompt tokens served from the prefix cache so far
 
 @dataclass
 class RunMetrics:
@@ -73,8 +75,8 @@ def summarize(engine: str, outputs: list[RequestOutput], steps: list[StepRecord]
     tpot = [o.tpot_s for o in ok if o.tpot_s is not None]
     lat = [o.latency_s for o in ok if o.latency_s is not None]
     out_tokens = sum(sum(len(s) for s in o.samples) or len(o.token_ids) for o in ok)
-    alloc = sum(s.allocated_slots for s in steps)
-    used = sum(s.token_slots for s in steps)
+    alloc = sum(s.kv.allocated for s in steps)
+    used = sum(s.kv.token for s in steps)
     return RunMetrics(
         engine=engine, num_requests=len(outputs), num_errors=len(outputs) - len(ok),
         duration_s=duration_s, output_tokens=out_tokens,
@@ -86,8 +88,8 @@ def summarize(engine: str, outputs: list[RequestOutput], steps: list[StepRecord]
         tpot_p50_s=percentile(tpot, 50), tpot_p95_s=percentile(tpot, 95),
         latency_p50_s=percentile(lat, 50), latency_p95_s=percentile(lat, 95),
         latency_p99_s=percentile(lat, 99),
-        peak_kv_allocated_bytes=max((s.allocated_slots for s in steps), default=0) * bytes_per_slot,
-        peak_kv_token_bytes=max((s.token_slots for s in steps), default=0) * bytes_per_slot,
+        peak_kv_allocated_bytes=max((s.kv.allocated for s in steps), default=0) * bytes_per_slot,
+        peak_kv_token_bytes=max((s.kv.token for s in steps), default=0) * bytes_per_slot,
         kv_waste_pct=100.0 * waste_fraction(used, alloc),
         peak_concurrency=max((s.num_running for s in steps), default=0),
         num_steps=len(steps), num_preemptions=sum(o.num_preemptions for o in outputs),

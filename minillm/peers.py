@@ -25,6 +25,7 @@ from transformers import (ContinuousBatchingConfig, GenerationConfig, LogitsProc
 
 from .engines.base import RunResult
 from .engines.padded import left_pad
+from .memory import rectangle_counts
 from .metrics import StepRecord, summarize
 from .models import LoadedModel
 from .request import FinishReason, Request, RequestOutput, stop_reason
@@ -107,8 +108,9 @@ def _run_static_batch(model: LoadedModel, batch: list[Request], sampling: dict, 
             step=first_step + k, time_s=now - t0, prefill_ms=ms if k == 0 else 0.0,
             decode_ms=ms if k else 0.0, batch_size=len(batch),
             num_prefill_tokens=sum(r.prompt_len for r in batch) if k == 0 else 0,
-            num_decode_tokens=len(live) if k else 0, allocated_slots=len(batch) * (width + k),
-            token_slots=sum(r.prompt_len + k for r in live), num_running=len(batch)))
+            num_decode_tokens=len(live) if k else 0, num_running=len(batch),
+            kv=rectangle_counts([(r.request_id, 0, r.prompt_len + k, 0) for r in live],
+                                width + k, model.kv_bytes_per_token, num_rows=len(batch))))
     return steps
 
 

@@ -21,8 +21,11 @@ def check_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
         assert b.ref_count >= 0
         assert b.ref_count == held.get(b.block_id, 0), f"block {b.block_id} ref count is wrong"
         assert (b.ref_count == 0) == (b.block_id in bm.free_queue)
-    stats = bm.stats(seqs)
-    assert stats.free + stats.used == bm.num_blocks
+    counts = bm.counts(seqs)
+    used = sum(1 for b in bm.blocks if b.ref_count > 0)
+    assert used + bm.num_free_blocks == bm.num_blocks
+    assert counts.total == bm.num_blocks * bm.block_size
+    assert counts.allocated == used * bm.block_size and 0 <= counts.token <= counts.allocated
     assert len(set(bm.free_queue)) == len(bm.free_queue)
     for h, bid in bm.cached.items():
         assert bm.blocks[bid].hash == h

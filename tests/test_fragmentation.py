@@ -1,5 +1,5 @@
-"""The fragmentation visualizer's allocators keep their books straight, and a trace recorded from a
-real PagedEngine run replays through the paged allocator to exactly the engine's own numbers."""
+"""The KV allocators keep their books straight under the one scheduler, and a trace recorded from
+a real PagedEngine run replays through the paged allocator to exactly the engine's own numbers."""
 from __future__ import annotations
 
 import random
@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
 from minillm.memory import FREE, RESERVED, TOKEN
-from minillm.viz.accounting import ALLOCATORS, SimConfig, waste_breakdown
-from minillm.viz.allocators import compare, simulate
+from minillm.allocators import ALLOCATORS
+from minillm.viz.accounting import SimConfig
+from minillm.viz.replay import compare, simulate
 from minillm.viz.traces import Trace, record_paged_run, replay_trace, trace_from_run
 from minillm.workload import SimRequest, WorkloadSpec
 
@@ -27,37 +28,35 @@ def check_result(res, requests):
     pool = cfg.num_blocks * cfg.block_size if res.allocator == "paged" else cfg.budget_slots
     assert len(res.snapshots) == len(res.steps)
     for st_, snap in zip(res.steps, res.snapshots):
-        assert 0 <= st_.token_slots <= st_.allocated_slots <= pool
-        assert st_.internal_slots + st_.reserved_slots == st_.allocated_slots - st_.token_slots
-        assert st_.allocated_slots + st_.free_slots == pool
-        assert 0 <= st_.external_slots <= st_.free_slots
+        kv = st_.kv
+        assert 0 <= kv.token <= kv.allocated <= pool
+        assert kv.total == pool
+        assert 0 <= kv.external <= kv.free
         assert st_.num_running <= cfg.max_num_seqs
         # every number is read back identically from the snapshot the step drew
-        b = waste_breakdown(snap)
-        assert (b["token"], b["allocated"], b["internal"], b["reserved"], b["external"]) == (
-            st_.token_slots, st_.allocated_slots, st_.internal_slots, st_.reserved_slots,
-            st_.external_slots)
+        assert snap.counts == kv
         if res.allocator == "paged":
-            assert st_.reserved_slots == 0 and st_.external_slots == 0
+            assert kv.reserved == 0 and kv.external == 0
             seqs = len(snap.extra["block_tables"])
             # waste only in each sequence's last block: fewer than block_size slots each
-            assert st_.internal_slots <= (cfg.block_size - 1) * seqs
+            assert kv.internal <= (cfg.block_size - 1) * seqs
             assert snap.kind.shape == (cfg.num_blocks, cfg.block_size)
         else:
-            assert st_.internal_slots == 0
+            assert kv.internal == 0 and kv.cached == 0
             owned = int((snap.owner.reshape(-1)[:pool] >= 0).sum())
-            assert owned == st_.allocated_slots, "contiguous regions overlap"
+            assert owned == kv.allocated, "contiguous regions overlap"
             flat = snap.kind.reshape(-1)[:pool]
-            assert int(np.isin(flat, (TOKEN, RESERVED)).sum()) == st_.allocated_slots
-            assert int((flat == FREE).sum()) == st_.free_slots
+            assert int(np.isin(flat, (TOKEN, RESERVED)).sum()) == kv.allocated
+            assert int((flat == FREE).sum()) == kv.free
             if res.allocator == "max-length":
-                assert st_.allocated_slots % (cfg.max_len or max(
+                assert kv.allocated % (cfg.max_len or max(
                     r.prompt_len + r.max_tokens for r in requests)) == 0
             if st_.num_waiting == 0:
-                assert st_.external_slots == 0
+                assert kv.external == 0
+            assert st_.num_preemptions == 0, "regions reserved up front never run out"
     # everything admitted finishes and is freed; the pool is empty at the end
     assert res.steps[-1].num_finished + len(res.rejected) == len(requests)
-    assert res.steps[-1].allocated_slots == 0
+    assert res.steps[-1].kv.allocated == 0
     assert res.steps[-1].num_running == res.steps[-1].num_waiting == 0
 
 
@@ -107,8 +106,8 @@ def test_prefix_caching_and_parallel_samples_share_blocks():
     assert any((s.ref_counts > 1).any() for s in off.snapshots), "n = 3 samples share no block"
     # one request, three samples: paged stores the prompt once, contiguous once per sample
     one = [SimRequest("r", list(range(100)), [20, 20, 20], 20)]
-    paged_peak = max(s.token_slots for s in simulate(one, "paged", SimConfig()).steps)
-    exact_peak = max(s.token_slots for s in simulate(one, "exact", SimConfig()).steps)
+    paged_peak = max(s.kv.token for s in simulate(one, "paged", SimConfig()).steps)
+    exact_peak = max(s.kv.token for s in simulate(one, "exact", SimConfig()).steps)
     assert paged_peak < 100 + 3 * (16 + 20) < 3 * 100 < exact_peak
 
 
@@ -122,7 +121,8 @@ def test_simulation_is_deterministic():
     for name in ALLOCATORS:
         ra, rb = a[name], b[name]
         assert ra.steps, name
-        assert [vars(s) for s in ra.steps] == [vars(s) for s in rb.steps], name
+        untimed = lambda steps: [{**vars(s), "prefill_ms": 0, "decode_ms": 0} for s in steps]
+        assert untimed(ra.steps) == untimed(rb.steps), name
         assert ra.rejected == rb.rejected and ra.summary() == rb.summary(), name
         assert len(ra.snapshots) == len(rb.snapshots) == len(ra.steps), name
         for sa, sb in zip(ra.snapshots, rb.snapshots):
@@ -137,7 +137,7 @@ def test_idle_steps_and_rejections():
             SimRequest("big", [3] * 5000, [1], 1, 0)]
     ticking = simulate(reqs, "paged", SimConfig(budget_slots=256, block_size=16))
     assert ticking.rejected == ["big"]
-    assert len(ticking.steps) >= 22 and ticking.steps[10].allocated_slots == 0
+    assert len(ticking.steps) >= 22 and ticking.steps[10].kv.allocated == 0
     jumping = simulate(reqs, "paged", SimConfig(budget_slots=256, block_size=16, idle_steps=False))
     assert len(jumping.steps) < len(ticking.steps)
 
@@ -189,8 +189,10 @@ def engine_run(tiny, case: str):
 def test_trace_replay_equals_engine_exactly(tiny, case):
     _, _, result, trace = engine_run(tiny, case)
     replay = replay_trace(trace)
-    got = [(s.allocated_slots, s.token_slots, s.num_running) for s in replay.steps]
-    want = [(s.allocated_slots, s.token_slots, s.num_running) for s in result.steps]
+    fields = ("kv", "num_running", "num_waiting", "num_finished", "num_preemptions",
+              "prefix_hit_tokens", "num_prefill_tokens", "num_decode_tokens", "batch_size")
+    got = [[getattr(s, f) for f in fields] for s in replay.steps]
+    want = [[getattr(s, f) for f in fields] for s in result.steps]
     assert got == want
     assert replay.summary()["waste_pct"] == pytest.approx(result.metrics.kv_waste_pct, abs=1e-9)
     assert replay.summary()["peak_running"] == result.metrics.peak_concurrency
@@ -199,17 +201,16 @@ def test_trace_replay_equals_engine_exactly(tiny, case):
         assert result.metrics.num_preemptions > 0
     if case == "arrivals-over-time":
         assert len({r.arrival_step for r in trace.requests}) > 1
+    # the same scheduler serves the same requests under the contiguous allocators
+    for name in ("max-length", "exact"):
+        check_result(replay_trace(trace, name), trace.requests)
 
 
 def test_trace_round_trips_through_json(tiny, tmp_path):
     _, _, result, trace = engine_run(tiny, "parallel-samples")
     loaded = Trace.load(trace.save(tmp_path / "t.json"))
     assert loaded == trace
-    assert [s.allocated_slots for s in replay_trace(loaded).steps] == \
-        [s.allocated_slots for s in result.steps]
-    # the other allocators replay the same requests at the same budget
-    for name in ("max-length", "exact"):
-        check_result(replay_trace(loaded, name), loaded.requests)
+    assert [s.kv for s in replay_trace(loaded).steps] == [s.kv for s in result.steps]
 
 
 def test_the_engine_records_when_requests_arrive(tiny):
@@ -234,22 +235,64 @@ def test_the_engine_records_when_requests_arrive(tiny):
 
 @pytest.mark.parametrize("engine", ["static", "dynamic", "paged"])
 def test_every_snapshot_has_one_reading(tiny, engine):
-    """A snapshot's kinds say what they mean: the engine's own counts, the snapshot's usage and the
-    visualizer's breakdown agree, whoever reads it (block tails are internal, never reserved)."""
+    """A snapshot's kinds say what they mean: the engine's own counts and the snapshot's agree,
+    kind by kind, whoever reads them (block tails are internal, never reserved)."""
     seen = []
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     LLM(tiny, engine=engine, **({"block_size": 4} if engine == "paged" else {})).generate(
         random_prompts(5, seed=9), params, on_step=lambda snap, rec: seen.append((snap, rec)))
     assert seen
     for snap, rec in seen:
-        b = waste_breakdown(snap)
-        assert (b["token"], b["allocated"]) == (rec.token_slots, rec.allocated_slots)
-        assert b["internal"] + b["reserved"] == b["allocated"] - b["token"]
-        assert snap.usage.waste_fraction == pytest.approx(
-            1 - rec.token_slots / rec.allocated_slots if rec.allocated_slots else 0.0)
+        c = snap.counts
+        assert c == rec.kv
+        assert c.internal + c.reserved == c.allocated - c.token
         if engine == "paged":
-            assert snap.layout == "blocks" and b["reserved"] == 0
+            assert snap.layout == "blocks" and c.reserved == 0
         else:
             assert snap.layout == "rectangle"
     if engine == "static":
-        assert any(waste_breakdown(s)["reserved"] > 0 for s, _ in seen)
+        assert any(s.counts.reserved > 0 for s, _ in seen)
+
+
+def test_contiguous_allocator_reserves_at_admission_and_copies_on_fork():
+    """The interface the scheduler drives, on the contiguous allocator: a request with n = 3
+    reserves three regions when admitted; a fork copies the prompt into one of them; the spare
+    regions go back when the request's last sequence is freed; a head that fits in the total
+    free space but in no hole sees external fragmentation."""
+    from minillm.allocators import ContiguousAllocator, make_allocator
+    from minillm.engines.s3_paged.sequence import Sequence
+    from minillm.request import Request
+
+    alloc = make_allocator("exact", 100)
+    req = Request(list(range(10)), SamplingParams(max_tokens=10, n=3, temperature=0.5),
+                  request_id="r")
+    leader = Sequence(req, list(req.prompt_token_ids), req.prompt_len)
+    assert alloc.can_append(leader, 10)
+    assert alloc.append_slots(leader, 10) == []
+    leader.num_computed_tokens = 10
+    assert alloc.counts([leader]).allocated == 60            # 3 regions of 10 + 10
+    child = alloc.fork(leader)
+    assert child.block_table != leader.block_table and alloc.copied_slots == 10
+    assert alloc.counts([leader, child]).token == 20          # the prompt, twice
+    assert not alloc.can_append(child, 11)                    # never past its region
+    big = Request(list(range(30)), SamplingParams(max_tokens=20), request_id="big")
+    assert alloc.capacity_error(big, 50) is None
+    assert alloc.counts([], head=big).external == 40          # the one 40-slot hole is too small
+    alloc.free(leader)                  # the child still runs: the last spare stays reserved
+    assert alloc.counts([child]).allocated == 40
+    # 60 slots free, in holes of 20 and 40: a 50-slot request fits in neither
+    assert alloc.holes() == [(0, 20), (60, 40)]
+    assert alloc.counts([child], head=big).external == 60
+    alloc.free(child)
+    assert alloc.counts([]).allocated == 0 and alloc.holes() == [(0, 100)]
+    too_wide = Request([1] * 30, SamplingParams(max_tokens=10, n=3, temperature=0.5))
+    assert "3 contiguous region(s) of 40 slots" in alloc.capacity_error(too_wide, 40)
+    with pytest.raises(ValueError, match="max_len"):
+        ContiguousAllocator(100, "max-length")
+
+
+def test_a_replaced_allocator_needs_a_runner_for_it(tiny):
+    from minillm.allocators import make_allocator
+    from minillm.engines.s3_paged.engine import PagedEngine
+    with pytest.raises(ValueError, match="pass a runner"):
+        PagedEngine(tiny, block_manager=make_allocator("exact", 64))

@@ -69,7 +69,7 @@ def test_static_steps_and_eos(model):
     assert len(result.steps) == max(MAX_TOKENS[:4]) + max(MAX_TOKENS[4:])
     first = result.steps[0]
     assert first.batch_size == 4 and first.num_prefill_tokens == sum(PROMPT_LENS[:4])
-    assert first.allocated_slots == 4 * max(PROMPT_LENS[:4]) >= first.token_slots
+    assert first.kv.allocated == 4 * max(PROMPT_LENS[:4]) >= first.kv.token
     assert result.metrics.peak_kv_allocated_bytes > 0
     # without ignore_eos a row stops at its first EOS: make token 2 of a row the "EOS"
     req = workload()[1]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .base import Engine, RunResult, StepOutput
 
 # Constructor parameters that are plumbing, not user options.
-_INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend"}
+_INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "block_manager"}
 
 
 @dataclass(frozen=True)

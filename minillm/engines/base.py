@@ -3,7 +3,7 @@
 An engine is driven one *step* at a time (one forward pass of the model, for whatever batch the
 engine chose). ``Engine.run`` feeds requests in as their arrival time comes, calls ``step`` until
 everything is done, records a ``StepRecord`` per step and returns outputs plus metrics. Engines
-differ only in ``add_request``/``step`` and in how they lay out KV memory (``kv_usage``/``snapshot``).
+differ only in ``add_request``/``step`` and in how they lay out KV memory (``kv_counts``/``snapshot``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from ..memory import KVUsage, MemorySnapshot, rectangle_snapshot, rectangle_usage
+from ..memory import KVCounts, MemorySnapshot, rectangle_counts, rectangle_snapshot
 from ..metrics import RunMetrics, StepRecord, summarize
 from ..models import LoadedModel
 from ..request import FinishReason, Request, RequestError, RequestOutput
@@ -73,7 +73,8 @@ class Engine:
     def has_unfinished(self) -> bool:
         raise NotImplementedError
 
-    def kv_usage(self) -> KVUsage:
+    def kv_counts(self) -> KVCounts:
+        """KV slots by kind right now (the counts of ``snapshot`` without drawing it)."""
         raise NotImplementedError
 
     def snapshot(self) -> MemorySnapshot:
@@ -82,6 +83,14 @@ class Engine:
     def num_running(self) -> int:
         """Requests holding KV memory right now (for peak-concurrency metrics)."""
         raise NotImplementedError
+
+    def num_waiting(self) -> int:
+        """Requests added but not yet holding KV memory."""
+        raise NotImplementedError
+
+    # counters an engine with a scheduler keeps (cumulative since the engine was made)
+    num_preemptions = 0
+    prefix_hit_tokens = 0
 
     def reset(self) -> list[Request]:
         """Drop every request in flight and give all KV memory back; return the dropped requests
@@ -174,6 +183,7 @@ class Engine:
     def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
              on_output: OnOutput | None) -> RunResult:
         t0, first_step = time.perf_counter(), self.step_count
+        start = (self.num_preemptions, self.prefix_hit_tokens)
         pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
         done: dict[str, RequestOutput] = {}
         steps: list[StepRecord] = []
@@ -204,14 +214,11 @@ class Engine:
                     continue
                 out = self.step()
                 self.step_count += 1
-                record = StepRecord.with_usage(
-                    self.kv_usage(), step=self.step_count, time_s=time.perf_counter() - t0,
-                    prefill_ms=out.prefill_ms, decode_ms=out.decode_ms, batch_size=out.batch_size,
-                    num_prefill_tokens=out.num_prefill_tokens,
-                    num_decode_tokens=out.num_decode_tokens, num_running=self.num_running())
-                steps.append(record)
                 for req in out.finished:
                     finish(self.make_output(req))
+                record = self.record(out, self.step_count, time.perf_counter() - t0, len(done),
+                                     start)
+                steps.append(record)
                 if on_step is not None:
                     on_step(self.snapshot(), record)
         finally:
@@ -222,6 +229,19 @@ class Engine:
         return RunResult(outputs, metrics, steps)
 
 
+    def record(self, out: StepOutput, step: int, time_s: float = 0.0, num_finished: int = 0,
+               start: tuple[int, int] = (0, 0)) -> StepRecord:
+        """The ``StepRecord`` of a step that just ran (``run`` and the visualizer's replays both
+        record steps here). ``start``: the preemption and prefix-hit counters when the run began."""
+        return StepRecord(
+            step=step, time_s=time_s, prefill_ms=out.prefill_ms, decode_ms=out.decode_ms,
+            batch_size=out.batch_size, num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens, kv=self.kv_counts(),
+            num_running=self.num_running(), num_waiting=self.num_waiting(),
+            num_finished=num_finished, num_preemptions=self.num_preemptions - start[0],
+            prefix_hit_tokens=self.prefix_hit_tokens - start[1])
+
+
 class ContiguousEngine(Engine):
     """Steps 0-2 keep each request's KV in one contiguous row of a rectangle. Each says where its
     rows are (``_rows``: ``(request_id, pad_left, num_tokens, num_reserved)`` or ``None`` for a
@@ -230,9 +250,12 @@ class ContiguousEngine(Engine):
     def _rows(self) -> tuple[list, int]:
         raise NotImplementedError
 
-    def kv_usage(self) -> KVUsage:
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_counts(self) -> KVCounts:
         rows, width = self._rows()
-        return rectangle_usage(rows, width, self.model.kv_bytes_per_token)
+        return rectangle_counts(rows, width, self.model.kv_bytes_per_token)
 
     def snapshot(self) -> MemorySnapshot:
         rows, width = self._rows()

@@ -7,10 +7,9 @@ Widgets (ipywidgets classes that call the drawing functions):
   live_view.py         LiveMemoryView: KV memory while an engine runs, then a slider (00-05)
   visualizer.py        FragmentationVisualizer: workload controls, every allocator (05)
 The fragmentation visualizer's replays, no model needed (05):
-  accounting.py        the kinds of slots, SimConfig, SimStep/SimResult, waste_breakdown
-  contiguous.py        ContiguousSim: the max-length and exact contiguous allocators
-  paged_replay.py      PagedReplay: the real PagedEngine with a runner that computes nothing
-  allocators.py        simulate / compare: a workload through one allocator or all of them
+  accounting.py        the kinds of slots, SimConfig, SimResult (a run's StepRecords)
+  replay.py            simulate / compare: the real PagedEngine, computing nothing, under one
+                       allocator of minillm/allocators/ or all of them
   traces.py            Trace, trace_from_run, record_paged_run, replay_trace: real runs replayed
 Notebook set-up and the figures/ script:
   notebook.py          setup(), forward_seconds, comparison_table (00-05)

@@ -1,24 +1,23 @@
 """How the fragmentation visualizer counts KV memory: the kinds of slots, one budget, the books.
 
-Each step of a replay reports (``SimStep``) these kinds of slots, defined once here and used
-everywhere (the allocators fill them in, the pictures of ``plots.py`` draw them):
+Each step of a replay is a ``StepRecord`` (``minillm.metrics``), the engine's own, whose ``kv``
+counts (``minillm.memory.KVCounts``) sort the slots into the kinds of the vLLM paper:
 
 * ``token``: holds the K/V of a computed token;
 * ``internal``: allocated, but no token sits there and none is reserved for a known future token:
-  the unfilled tail of a sequence's last block (paged), or padding (the padded rectangles of
-  steps 0-2). At most ``block_size - 1`` slots per sequence when paged;
+  the unfilled tail of a sequence's last block (paged), or padding (the rectangles of steps 0-2).
+  At most ``block_size - 1`` slots per sequence when paged;
 * ``reserved``: held for tokens a request may still produce (the contiguous allocators reserve a
   request's whole future up front; much of it is never written);
 * ``external``: free, but unusable: slots in free holes too small for the request at the head of
   the waiting queue. Zero when nobody is waiting, and always zero when paged (any free block is as
   good as any other);
-* ``waste %`` = (internal + reserved) / allocated = ``1 - token / allocated``, exactly what
-  ``KVUsage.waste_fraction`` and the engines' ``RunMetrics.kv_waste_pct`` compute.
+* waste = (internal + reserved) / allocated = ``1 - token / allocated`` (``memory.waste_fraction``,
+  the same formula as the engines' ``RunMetrics.kv_waste_pct``).
 
 ``SimConfig`` is what every allocator shares (one budget of ``budget_slots``, one scheduler's
-limits); ``SimResult`` is one allocator's run, one ``SimStep`` per engine step. Used by notebook 05
-(``05_fragmentation_visualizer``) through ``allocators.py`` and ``visualizer.py``, and by every
-live view (``waste_breakdown`` reads any engine's snapshot).
+limits); ``SimResult`` is one allocator's run. Used by notebook 05 (``05_fragmentation_visualizer``)
+through ``replay.py`` and ``visualizer.py``.
 """
 from __future__ import annotations
 
@@ -26,10 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..memory import (ALLOCATED, CACHED, FREE, INTERNAL, RESERVED, TOKEN, MemorySnapshot,
-                      waste_fraction)
+from ..memory import MemorySnapshot, waste_fraction
+from ..metrics import StepRecord
 
-ALLOCATORS = ("max-length", "exact", "paged")
 ALLOCATOR_LABELS = {"max-length": "max-length reservation", "exact": "exact contiguous",
                     "paged": "paged (BlockManager)"}
 WASTE_KINDS = ("token", "internal", "reserved", "external")
@@ -60,64 +58,34 @@ class SimConfig:
 
 
 @dataclass
-class SimStep:
-    step: int
-    allocated_slots: int
-    token_slots: int
-    internal_slots: int
-    reserved_slots: int
-    external_slots: int
-    free_slots: int
-    cached_slots: int
-    num_running: int
-    num_waiting: int
-    num_finished: int
-    num_preemptions: int                    # cumulative
-    prefix_hit_tokens: int                  # cumulative
-
-    @property
-    def waste_fraction(self) -> float:
-        return waste_fraction(self.token_slots, self.allocated_slots)
-
-
-@dataclass
 class SimResult:
     allocator: str
     config: SimConfig
-    steps: list[SimStep]
+    steps: list[StepRecord]
     snapshots: list[MemorySnapshot]
     num_requests: int
     rejected: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         """One row of notebook 05's table (time-averaged like ``RunMetrics.kv_waste_pct``)."""
-        alloc = sum(s.allocated_slots for s in self.steps)
-        tok = sum(s.token_slots for s in self.steps)
+        def total(kind: str) -> int:
+            return sum(getattr(s.kv, kind) for s in self.steps)
+        alloc = total("allocated")
         budget = self.config.budget_slots * max(1, len(self.steps))
         return {
             "allocator": self.allocator,
-            "waste_pct": 100.0 * waste_fraction(tok, alloc),
-            "internal_pct": 100.0 * sum(s.internal_slots for s in self.steps) / alloc if alloc else 0.0,
-            "reserved_pct": 100.0 * sum(s.reserved_slots for s in self.steps) / alloc if alloc else 0.0,
-            "external_pct_of_budget": 100.0 * sum(s.external_slots for s in self.steps) / budget,
+            "waste_pct": 100.0 * waste_fraction(total("token"), alloc),
+            "internal_pct": 100.0 * total("internal") / alloc if alloc else 0.0,
+            "reserved_pct": 100.0 * total("reserved") / alloc if alloc else 0.0,
+            "external_pct_of_budget": 100.0 * total("external") / budget,
             "peak_running": max((s.num_running for s in self.steps), default=0),
             "mean_running": float(np.mean([s.num_running for s in self.steps])) if self.steps else 0.0,
-            "peak_token_slots": max((s.token_slots for s in self.steps), default=0),
+            "peak_token_slots": max((s.kv.token for s in self.steps), default=0),
             "steps": len(self.steps),
             "preemptions": self.steps[-1].num_preemptions if self.steps else 0,
             "prefix_hit_tokens": self.steps[-1].prefix_hit_tokens if self.steps else 0,
             "rejected": len(self.rejected),
         }
-
-
-def waste_breakdown(snap: MemorySnapshot) -> dict:
-    """Slots of each kind in a snapshot (the same for every engine's and allocator's snapshot:
-    internal = padding + block tails, reserved = future reservations; see ``minillm.memory``)."""
-    kind = snap.kind
-    count = {k: int(np.isin(kind, ks).sum()) for k, ks in
-             (("token", (TOKEN,)), ("internal", INTERNAL), ("reserved", (RESERVED,)),
-              ("cached", (CACHED,)), ("free", (FREE,)), ("allocated", ALLOCATED))}
-    return {**count, "external": int(snap.extra.get("external_slots", 0))}
 
 
 def summary_table(results: dict[str, SimResult]) -> str:

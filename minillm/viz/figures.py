@@ -20,7 +20,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from .accounting import SimConfig
-from .allocators import compare
+from .replay import compare
 from .live_view import LiveMemoryView
 from .notebook import quick_mode
 from .notebook_figures import (dynamic_holes_figure, example_block_tables, fragmentation_figure,

@@ -14,8 +14,7 @@ import time
 
 from matplotlib.figure import Figure
 
-from ..memory import MemorySnapshot
-from .accounting import WASTE_KINDS, waste_breakdown
+from ..memory import KVCounts, MemorySnapshot
 from .plots import live_figure, render_png
 
 
@@ -37,8 +36,7 @@ class LiveMemoryView:
         self.title, self.figsize, self.dpi, self.budget_slots = title, figsize, dpi, budget_slots
         self.snapshots: list[MemorySnapshot] = []
         self.records: list = []
-        self.breakdowns: list[dict] = []
-        self.num_draws = 0
+        self.counts: list[KVCounts] = []
         self._last_draw = -1e9
         self._ui = None
         self._fig = None
@@ -47,7 +45,7 @@ class LiveMemoryView:
     def __call__(self, snapshot: MemorySnapshot, record=None) -> None:
         self.snapshots.append(snapshot)
         self.records.append(record)
-        self.breakdowns.append(waste_breakdown(snapshot))
+        self.counts.append(snapshot.counts)
         i = len(self.snapshots) - 1
         now = time.perf_counter()
         if self._ui is not None and i % self.every == 0 and now - self._last_draw >= self.min_interval_s:
@@ -79,34 +77,29 @@ class LiveMemoryView:
     def last_busy(self) -> int:
         """Index of the last step that still held KV memory (the very last one is often empty:
         everything finished and was freed)."""
-        busy = [i for i, b in enumerate(self.breakdowns) if b["allocated"]]
+        busy = [i for i, c in enumerate(self.counts) if c.allocated]
         return busy[-1] if busy else len(self.snapshots) - 1
 
     # the picture
     def steps(self) -> list[int]:
         return [s.step for s in self.snapshots]
 
-    def parts(self, upto: int | None = None) -> dict[str, list[int]]:
-        b = self.breakdowns[:None if upto is None else upto + 1]
-        return {k: [d[k] for d in b] for k in WASTE_KINDS}
-
     def figure(self, i: int | None = None, fig: Figure | None = None) -> Figure:
         """Memory map at step index ``i`` (default: the last) and fragmentation up to the end."""
-        return live_figure(self.snapshots, self.parts(), i, fig, self.figsize, self.budget_slots,
+        return live_figure(self.snapshots, self.counts, i, fig, self.figsize, self.budget_slots,
                            self.title)
 
     def show(self, i: int) -> None:
         self._fig = self.figure(i, self._fig)
         ui = self._ui
         ui["image"].value = render_png(self._fig, self.dpi)
-        self.num_draws += 1
         ui["slider"].unobserve(self._on_slide, names="value")
         ui["slider"].max = max(0, len(self.snapshots) - 1)
         ui["slider"].value = i
         ui["slider"].observe(self._on_slide, names="value")
-        b = self.breakdowns[i]
-        ui["status"].value = (f"step {self.snapshots[i].step}: {b['token']} token slots of "
-                              f"{b['allocated']} allocated")
+        c = self.counts[i]
+        ui["status"].value = (f"step {self.snapshots[i].step}: {c.token} token slots of "
+                              f"{c.allocated} allocated")
 
     def _on_slide(self, change) -> None:
         if self.snapshots:

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ..memory import FREE, PADDING, MemorySnapshot
-from .accounting import ALLOCATOR_LABELS, WASTE_KINDS, SimResult, waste_breakdown
+from .accounting import ALLOCATOR_LABELS, SimResult
 from .plots import (ALLOCATOR_COLORS, BLUE, IDLE, KIND_COLORS, OWNER_COLORS, RED, WORKING,
                     draw_snapshot, memory_legend_handles, new_figure, plot_fragmentation,
                     plot_timeline, request_timeline)
@@ -45,7 +45,7 @@ def kv_cache_cost_figure(nocache, cached, view: LiveMemoryView, bytes_per_token:
     ax_t.set_ylabel("forward time per step (ms, log scale)")
     ax_t.set_title("what one more token costs", fontsize=10)
     ax_t.legend(fontsize=8)
-    held = [(st, b["token"]) for st, b in zip(view.steps(), view.breakdowns) if b["token"]]
+    held = [(st, c.token) for st, c in zip(view.steps(), view.counts) if c.token]
     tokens = [n for _, n in held]      # (a finished request's KV is freed: zero, not drawn)
     ax_m.plot([st for st, _ in held], [n * bytes_per_token / 2**20 for n in tokens], marker="o",
               ms=3, color=BLUE)
@@ -100,8 +100,7 @@ def dynamic_holes_figure(view: LiveMemoryView, baseline: LiveMemoryView | None =
                             (view, "dynamic", ALLOCATOR_COLORS["paged"])):
         if v is None:
             continue
-        w = [100 * (1 - b["token"] / b["allocated"]) if b["allocated"] else np.nan
-             for b in v.breakdowns]
+        w = [100 * c.waste_fraction if c.allocated else np.nan for c in v.counts]
         ax_w.plot(v.steps(), w, drawstyle="steps-post", color=color, label=label)
     ax_w.set_ylim(0, 100)
     ax_w.set_xlabel("engine step")
@@ -240,7 +239,7 @@ def fragmentation_figure(results, t: int | None = None) -> Figure:
     """``compare_figure`` at step index ``t`` (default: a step where exact contiguous allocation
     leaves unusable holes while the paged pool runs many requests)."""
     if t is None:   # busy everywhere: the exact allocator has holes while paging is packed
-        ext = [s.external_slots for s in results["exact"].steps] if "exact" in results else []
+        ext = [s.kv.external for s in results["exact"].steps] if "exact" in results else []
         run = [s.num_running for s in results["paged"].steps] if "paged" in results else []
         score = [e * (run[i] if i < len(run) else 0) for i, e in enumerate(ext)]
         t = int(np.argmax(score)) if score and max(score) > 0 else \
@@ -250,7 +249,7 @@ def fragmentation_figure(results, t: int | None = None) -> Figure:
 
 def plot_allocators(results: dict[str, SimResult], ax, value, ylabel: str, t: int,
                     current: str | None = None, now_lw: float = 1.0):
-    """One line per allocator: ``value(SimStep)`` over engine steps, step index ``t`` marked
+    """One line per allocator: ``value(StepRecord)`` over engine steps, step index ``t`` marked
     (the ``current`` allocator drawn thicker)."""
     for name, res in results.items():
         lw = None if current is None else 2 if name == current else 1
@@ -276,14 +275,13 @@ def compare_figure(results: dict[str, SimResult], t: int, fig: Figure | None = N
             continue
         k = min(t, len(res.snapshots) - 1)
         snap = res.snapshots[k]
-        u = waste_breakdown(snap)
-        waste = 100 * (1 - u["token"] / u["allocated"]) if u["allocated"] else 0
+        waste = 100 * snap.counts.waste_fraction
         draw_snapshot(snap, ax, legend=False, title=(
             f"{ALLOCATOR_LABELS[name]}, step {snap.step}\n{res.steps[k].num_running} running, "
             f"{res.steps[k].num_waiting} waiting, {waste:.0f}% of allocated wasted"))
-    series = [("waste % of allocated", lambda s: 100 * s.waste_fraction),
+    series = [("waste % of allocated", lambda s: 100 * s.kv.waste_fraction),
               ("requests running", lambda s: s.num_running),
-              ("KV slots holding tokens", lambda s: s.token_slots)]
+              ("KV slots holding tokens", lambda s: s.kv.token)]
     for ax, (label, f) in zip(axes[1], series):
         plot_allocators(results, ax, f, label, t)
     budget = next(iter(results.values())).config.budget_slots
@@ -306,20 +304,20 @@ def allocator_figure(results: dict[str, SimResult], name: str, t: int, fig: Figu
         k = min(t, len(res.snapshots) - 1)
         snap = res.snapshots[k]
         done = " (finished)" if t >= len(res.snapshots) else ""
-        u = waste_breakdown(snap)
+        u = snap.counts
         draw_snapshot(snap, axes[0, 0], title=(
-            f"{ALLOCATOR_LABELS[name]} — step {snap.step}{done}: {u['token']} token slots of "
-            f"{u['allocated']} allocated, {res.steps[k].num_running} running, "
+            f"{ALLOCATOR_LABELS[name]} — step {snap.step}{done}: {u.token} token slots of "
+            f"{u.allocated} allocated, {res.steps[k].num_running} running, "
             f"{res.steps[k].num_waiting} waiting"))
-    parts = {k: [getattr(s, f"{k}_slots") for s in res.steps] for k in WASTE_KINDS}
-    plot_fragmentation([s.step for s in res.steps], parts, axes[0, 1], current=t + 1,
+    plot_fragmentation([s.step for s in res.steps], [s.kv for s in res.steps], axes[0, 1],
+                       current=t + 1,
                        budget=res.config.budget_slots,
                        title=f"{ALLOCATOR_LABELS[name]}: KV slots by kind per step")
     axes[1, 0].set_ylim(0, 100)
     axes[1, 0].set_title("waste over time, every allocator", fontsize=9)
     axes[1, 1].set_title(f"concurrency at the same budget ({res.config.budget_slots} slots)",
                          fontsize=9)
-    plot_allocators(results, axes[1, 0], lambda s: 100 * s.waste_fraction, "waste % of allocated",
+    plot_allocators(results, axes[1, 0], lambda s: 100 * s.kv.waste_fraction, "waste % of allocated",
                     t, current=name, now_lw=1.2)
     plot_allocators(results, axes[1, 1], lambda s: s.num_running, "requests running", t,
                     current=name, now_lw=1.2)

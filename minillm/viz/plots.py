@@ -10,7 +10,7 @@ visualizer's allocators. Used by every notebook (00-05) through ``live_view.py``
   memory map);
 * memory maps: ``plot_memory``, ``draw_snapshot`` (plus address-space layout and external holes);
 * over time: ``plot_fragmentation`` (slots by kind), ``live_figure`` (a memory map beside it),
-  ``plot_usage``, ``plot_waste``, ``plot_timeline`` (who holds memory, step by step);
+  ``plot_timeline`` (who holds memory, step by step);
 * ``plot_bench``: the benchmark at a glance.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..memory import CACHED, FREE, PADDING, RESERVED, TAIL, TOKEN, MemorySnapshot, waste_fraction
+from ..memory import CACHED, FREE, PADDING, RESERVED, TAIL, TOKEN, KVCounts, MemorySnapshot
 from .accounting import WASTE_KINDS
 
 # --- the palette: every colour of every picture, defined here once -----------------------------
@@ -102,9 +102,9 @@ def plot_memory(snap: MemorySnapshot, ax=None, title: str | None = None, max_row
     ax.clear()
     if img.size:
         ax.imshow(img, aspect="auto", interpolation="nearest")
-    u = snap.usage
-    ax.set_title(title or f"{snap.engine} — step {snap.step}: {u.token_slots} token slots of "
-                          f"{u.allocated_slots} allocated ({100 * u.waste_fraction:.0f}% waste)",
+    u = snap.counts
+    ax.set_title(title or f"{snap.engine} — step {snap.step}: {u.token} token slots of "
+                          f"{u.allocated} allocated ({100 * u.waste_fraction:.0f}% waste)",
                  fontsize=9)
     ax.set_ylabel(snap.row_label + "s")
     ax.set_xlabel("slot in block" if snap.layout == "blocks" else "slot (position)")
@@ -171,13 +171,14 @@ def draw_snapshot(snap: MemorySnapshot, ax, title: str | None = None, max_rows: 
 
 
 # --- over time ----------------------------------------------------------------------------------
-def plot_fragmentation(steps: list[int], parts: dict[str, list[int]], ax, current: int | None = None,
+def plot_fragmentation(steps: list[int], counts: list[KVCounts], ax, current: int | None = None,
                        budget: int | None = None, title: str = "KV slots over time"):
     """Stacked slots per kind (token, internal, reserved, external) over steps, waste % on a
-    second axis. ``parts`` maps kind -> one count per step."""
+    second axis. ``counts``: one ``KVCounts`` per step."""
     ax.clear()
     x = np.asarray(steps)
-    kinds = [k for k in WASTE_KINDS if any(parts.get(k, []))]
+    parts = {k: [getattr(c, k) for c in counts] for k in WASTE_KINDS}
+    kinds = [k for k in WASTE_KINDS if any(parts[k])]
     if len(x):
         ax.stackplot(x, *[parts[k] for k in kinds], colors=[WASTE_COLORS[k] for k in kinds],
                      labels=[WASTE_LABELS[k] for k in kinds], step="post", alpha=0.9)
@@ -187,10 +188,7 @@ def plot_fragmentation(steps: list[int], parts: dict[str, list[int]], ax, curren
     ax.set_ylabel("KV slots")
     ax.set_title(title, fontsize=9)
     ax2 = ax.twinx()
-    tok = np.asarray(parts.get("token", []), dtype=float)
-    alloc = tok + np.asarray(parts.get("internal", np.zeros_like(tok)), dtype=float) + \
-        np.asarray(parts.get("reserved", np.zeros_like(tok)), dtype=float)
-    waste = np.where(alloc > 0, 100 * (1 - tok / np.maximum(alloc, 1)), np.nan)
+    waste = [100 * c.waste_fraction if c.allocated else np.nan for c in counts]
     if len(x):
         ax2.plot(x, waste, color="black", lw=1.0, drawstyle="steps-post", label="waste %")
     ax2.set_ylim(0, 100)
@@ -204,7 +202,7 @@ def plot_fragmentation(steps: list[int], parts: dict[str, list[int]], ax, curren
     return ax
 
 
-def live_figure(snapshots: list[MemorySnapshot], parts: dict[str, list[int]], i: int | None = None,
+def live_figure(snapshots: list[MemorySnapshot], counts: list[KVCounts], i: int | None = None,
                 fig: Figure | None = None, figsize=(12, 3.8), budget: int | None = None,
                 title: str = "") -> Figure:
     """``LiveMemoryView``'s picture: the memory map at step index ``i`` (default: the last) next
@@ -218,38 +216,10 @@ def live_figure(snapshots: list[MemorySnapshot], parts: dict[str, list[int]], i:
         return fig
     snap = snapshots[i]
     draw_snapshot(snap, ax_mem)
-    plot_fragmentation([s.step for s in snapshots], parts, ax_frag, current=snap.step,
+    plot_fragmentation([s.step for s in snapshots], counts, ax_frag, current=snap.step,
                        budget=budget, title=f"{title or snap.engine}: KV slots by kind per step")
     fig.tight_layout()
     return fig
-
-def plot_usage(steps, bytes_per_slot: int, ax=None, label: str = ""):
-    """Allocated vs token-holding KV over engine steps (from StepRecords)."""
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    x = [s.step for s in steps]
-    mib = bytes_per_slot / 2**20
-    ax.fill_between(x, [s.allocated_slots * mib for s in steps], step="post", alpha=0.3,
-                    label=f"{label} allocated".strip())
-    ax.plot(x, [s.token_slots * mib for s in steps], drawstyle="steps-post",
-            label=f"{label} holding tokens".strip())
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("KV memory (MiB)")
-    ax.legend(fontsize=8)
-    return ax
-
-
-def plot_waste(steps, ax=None, label: str = ""):
-    """Waste % over time: allocated slots that hold no token."""
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    w = [100 * waste_fraction(s.token_slots, s.allocated_slots) for s in steps]
-    ax.plot([s.step for s in steps], w, label=label)
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("KV waste %")
-    ax.set_ylim(0, 100)
-    if label:
-        ax.legend(fontsize=8)
-    return ax
-
 
 def request_timeline(snapshots: list[MemorySnapshot]) -> tuple[list[str], np.ndarray]:
     """Per request and step: WORKING (its KV grew: it computed a token), IDLE (it holds KV memory

@@ -4,8 +4,8 @@
 ``trace_from_run`` (or ``record_paged_run``, which runs and traces) turns the run into a ``Trace`` (each request's prompt,
 its output lengths and tokens, the engine step at which it was added, the engine's pool and
 limits), which ``Trace.save``/``load`` keep as JSON. ``replay_trace`` runs it through an allocator
-(``allocators.simulate``); through the paged one it reproduces the engine's per-step
-``allocated_slots``/``token_slots`` exactly. Used by notebook 05 (``05_fragmentation_visualizer``)
+(``replay.simulate``); through the paged one it reproduces the engine's own ``StepRecord`` counts
+exactly. Used by notebook 05 (``05_fragmentation_visualizer``)
 and ``visualizer.FragmentationVisualizer.load_trace``.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..request import Request
 from .accounting import SimConfig, SimResult
-from .allocators import simulate
+from .replay import simulate
 from ..workload import SimRequest
 
 
@@ -101,8 +101,7 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "") ->
                  sched.max_num_batched_tokens, sched.max_num_seqs,
                  engine.block_manager.enable_prefix_caching, sched.policy, engine.max_model_len,
                  engine.model.kv_bytes_per_token,
-                 [{"step": s.step, "allocated_slots": s.allocated_slots,
-                   "token_slots": s.token_slots, "num_running": s.num_running}
+                 [{"step": s.step, "num_running": s.num_running, **s.kv.as_dict()}
                   for s in result.steps], source)
 
 
@@ -121,6 +120,6 @@ def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progr
 
 
 def replay_trace(trace: Trace, allocator: str = "paged", **overrides) -> SimResult:
-    """Run a recorded trace through an allocator. With ``paged`` and no overrides, the per-step
-    allocated/token slots equal the engine's own StepRecords exactly."""
+    """Run a recorded trace through an allocator. With ``paged`` and no overrides, every step's
+    counts equal the engine's own StepRecords exactly."""
     return simulate(trace.requests, allocator, trace.config(**overrides))

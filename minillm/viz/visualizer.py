@@ -13,8 +13,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from ..memory import waste_fraction
-from .accounting import ALLOCATOR_LABELS, ALLOCATORS, SimConfig, SimResult
-from .allocators import compare
+from ..allocators import ALLOCATORS
+from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
+from .replay import compare
 from .notebook_figures import allocator_figure
 from .plots import new_figure, render_png
 from .traces import Trace
@@ -34,7 +35,6 @@ class FragmentationVisualizer:
         self.trace: Trace | None = None
         self.results: dict[str, SimResult] = {}
         self.t = 0
-        self.num_draws = 0
         self._fig = None
         self._ui = None
         self.recompute()
@@ -90,8 +90,8 @@ class FragmentationVisualizer:
         rows = [r.summary() for r in self.results.values()]
         if self.trace is not None and self.trace.engine_steps:
             es = self.trace.engine_steps
-            alloc = sum(s["allocated_slots"] for s in es)
-            tok = sum(s["token_slots"] for s in es)
+            alloc = sum(s["allocated"] for s in es)
+            tok = sum(s["token"] for s in es)
             rows.append({"allocator": f"engine run ({self.trace.source or 'recorded'})",
                          "waste_pct": 100 * waste_fraction(tok, alloc),
                          "internal_pct": float("nan"), "reserved_pct": float("nan"),
@@ -135,7 +135,6 @@ class FragmentationVisualizer:
         self._fig = self.figure(fig=self._fig)
         self._ui["image"].value = render_png(self._fig, self.dpi)
         self._ui["table"].value = self.table_html()
-        self.num_draws += 1
 
     # --- controls ------------------------------------------------------------------------------
     def widget(self):

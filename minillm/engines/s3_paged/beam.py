@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...request import FinishReason
-from .block_manager import BlockManager
 from .sequence import Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from ...allocators import KVAllocator
 
 
 @dataclass
@@ -61,7 +64,7 @@ def select_beams(group: SequenceGroup, eos_ids: set[int], max_model_len: int) ->
     return BeamChoice(kept, stopped, done)
 
 
-def beam_step(group: SequenceGroup, bm: BlockManager, eos_ids: set[int], max_model_len: int,
+def beam_step(group: SequenceGroup, bm: KVAllocator, eos_ids: set[int], max_model_len: int,
               select=select_beams) -> None:
     """Advance ``group``'s beams by one token once every beam has its log-probabilities.
     ``select`` makes the choice (the visualizer passes one that replays a recorded search)."""
@@ -74,17 +77,20 @@ def beam_step(group: SequenceGroup, bm: BlockManager, eos_ids: set[int], max_mod
     for parent, tok, score in choice.stopped:
         add_hypothesis(group, beams[parent].token_ids + [tok], score / gen_len,
                        beams[parent].prompt_len, FinishReason.STOP)
-    # Fork before any token is appended: a child must copy its parent's pre-step state.
+    # Beams nobody continues from are freed first, so their memory can hold the new forks (a
+    # contiguous allocator needs a free region per fork). Forks happen before any token is
+    # appended: a child must copy its parent's pre-step state.
+    parents = {parent for parent, _, _ in choice.kept}
+    for i, b in enumerate(beams):
+        b.pending_logprobs = None
+        if i not in parents:
+            bm.free(b)
     claimed: set[int] = set()
     new_beams = []
     for parent, tok, score in choice.kept:
         seq = beams[parent] if parent not in claimed else bm.fork(beams[parent])
         claimed.add(parent)
         new_beams.append((seq, tok, score))
-    for i, b in enumerate(beams):
-        b.pending_logprobs = None
-        if i not in claimed:
-            bm.free(b)
     group.seqs = []
     for seq, tok, score in new_beams:
         seq.token_ids.append(tok)

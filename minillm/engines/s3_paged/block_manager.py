@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...memory import CACHED, FREE, TAIL, TOKEN, MemorySnapshot
+from ...memory import CACHED, FREE, TAIL, TOKEN, KVCounts, MemorySnapshot
+from ...request import Request
 from .sequence import Sequence
 
 BlockKey = tuple  # (parent hash, token ids of the block): the content a hash stands for
@@ -34,17 +35,6 @@ class Block:
     ref_count: int = 0
     hash: int | None = None        # set once the block is full and its K/V computed
     key: BlockKey | None = None    # kept to guard against hash collisions
-
-
-@dataclass
-class BlockStats:
-    num_blocks: int
-    free: int             # blocks no sequence holds (cached ones included)
-    used: int             # blocks some sequence holds
-    cached: int           # free blocks whose contents are still reusable
-    shared: int           # used blocks held by more than one sequence
-    token_slots: int      # slots holding a token (a shared block's tokens counted once)
-    allocated_slots: int  # used * block_size
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -64,6 +54,9 @@ def blocks_for_request(prompt_len: int, num_output_tokens: int, width: int, bloc
 
 
 class BlockManager:
+    """The paged allocator behind ``minillm.allocators.KVAllocator``: the interface the scheduler
+    drives (the visualizer's contiguous allocators implement the same one)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -167,9 +160,23 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
 
+    def capacity_error(self, req: Request, longest: int) -> str | None:
+        """Why ``req`` (at most ``longest`` tokens per sequence) could never run, even alone in
+        the pool; None when it fits."""
+        p, bs = req.params, self.block_size
+        need = blocks_for_request(req.prompt_len, longest - req.prompt_len,
+                                  max(p.n, p.beam_width), bs)
+        if need > self.num_blocks:
+            return (f"needs {need} KV blocks of {bs} tokens (prompt {req.prompt_len} + max_tokens "
+                    f"{p.max_tokens}), but the whole pool has {self.num_blocks}")
+        return None
+
     def release_all(self) -> None:
-        """Every block back to the pool and the prefix cache emptied: for an engine reset, when no
-        sequence may hold anything any more."""
+        """Every block back to the pool, for an engine reset when no sequence may hold anything
+        any more. The prefix cache survives unless a block was still held (an interrupted step):
+        then nothing in it can be trusted and it is emptied too."""
+        if self.num_free_blocks == self.num_blocks:
+            return
         for b in self.blocks:
             b.ref_count, b.hash, b.key = 0, None, None
         self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
@@ -219,14 +226,19 @@ class BlockManager:
                 self.cached[h] = block.block_id
 
     # --- reporting ------------------------------------------------------------------------------
-    def stats(self, seqs: list[Sequence]) -> BlockStats:
+    def counts(self, seqs: list[Sequence], bytes_per_slot: int = 1,
+               head: Request | None = None) -> KVCounts:
+        """Slots by kind, as ``snapshot`` draws them (a shared block's tokens counted once).
+        ``head`` (the request first in the waiting queue) does not matter: any free block is as
+        good as any other, so paged memory has no external fragmentation."""
         fill = self._fill(seqs)
-        used = [b for b in self.blocks if b.ref_count > 0]
-        return BlockStats(
-            num_blocks=self.num_blocks, free=self.num_free_blocks, used=len(used),
-            cached=sum(1 for b in self.blocks if b.ref_count == 0 and b.hash is not None),
-            shared=sum(1 for b in used if b.ref_count > 1), token_slots=int(sum(fill.values())),
-            allocated_slots=len(used) * self.block_size)
+        bs = self.block_size
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        cached = sum(1 for b in self.blocks if b.ref_count == 0 and b.hash is not None)
+        tokens = int(sum(fill.values()))
+        return KVCounts(token=tokens, internal=used * bs - tokens,
+                        free=(self.num_free_blocks - cached) * bs, cached=cached * bs,
+                        bytes_per_slot=bytes_per_slot)
 
     def _fill(self, seqs: list[Sequence]) -> dict[int, int]:
         """Slots holding a computed token, per used block (shared blocks counted once)."""
@@ -237,7 +249,8 @@ class BlockManager:
                 fill[bid] = max(fill.get(bid, 0), n)
         return fill
 
-    def snapshot(self, seqs: list[Sequence], engine: str, step: int, bytes_per_slot: int) -> MemorySnapshot:
+    def snapshot(self, seqs: list[Sequence], engine: str, step: int, bytes_per_slot: int,
+                 head: Request | None = None) -> MemorySnapshot:
         """The pool as a grid: one row per physical block, one column per slot."""
         kind = np.full((self.num_blocks, self.block_size), FREE, dtype=np.int8)
         owner = np.full((self.num_blocks, self.block_size), -1, dtype=np.int32)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
-from ...memory import KVUsage, MemorySnapshot
+from ...memory import KVCounts, MemorySnapshot
 from ...request import FinishReason, Request, RequestError, check_int
 from ..base import Engine, StepOutput
 from .attention import TorchAttention
-from .block_manager import BlockManager, blocks_for_request
+from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
@@ -30,11 +30,13 @@ class PagedEngine(Engine):
     def __init__(self, model, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 1024,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-                 policy: str = "fcfs", backend=None, runner=None, sampler=None):
+                 policy: str = "fcfs", backend=None, runner=None, sampler=None,
+                 block_manager=None):
         """``backend``: the attention backend (``create_engine`` picks it from
         ``attention_backend="torch"|"triton"``; default: step 3's torch reference).
-        ``runner``/``sampler`` replace the model runner and the sampler (the visualizer replays
-        workloads with ones that compute nothing); by default the real ones are built."""
+        ``runner``/``sampler`` replace the model runner and the sampler, ``block_manager`` the
+        KV allocator (the visualizer replays workloads with a runner that computes nothing, under
+        each allocator of ``minillm.allocators``); by default the real ones are built."""
         super().__init__(model)
         block_size = check_int("block_size", block_size, 1)
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -42,9 +44,14 @@ class PagedEngine(Engine):
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got "
                              f"{enable_prefix_caching!r}")
-        num_blocks = self.pool_size(block_size, num_blocks, kv_cache_bytes, max_num_seqs)
+        if block_manager is None:
+            num_blocks = self.pool_size(block_size, num_blocks, kv_cache_bytes, max_num_seqs)
+            block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        elif runner is None:
+            raise ValueError("block_manager= replaces the KV layout the model runner reads: "
+                             "pass a runner for it too")
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = block_manager
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy,
                                    self.eos_ids, self.max_model_len)
         self.backend = backend or TorchAttention()
@@ -72,15 +79,12 @@ class PagedEngine(Engine):
     # --- requests ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         super().validate(req)
-        p, bs = req.params, self.block_size
+        p = req.params
         width = max(p.n, p.beam_width)
         longest = min(req.prompt_len + p.max_tokens, self.max_model_len)
-        need = blocks_for_request(req.prompt_len, longest - req.prompt_len, width, bs)
-        pool = self.block_manager.num_blocks
-        if need > pool:
-            raise RequestError(f"{req.request_id}: needs {need} KV blocks of {bs} tokens "
-                               f"(prompt {req.prompt_len} + max_tokens {p.max_tokens}), but the "
-                               f"whole pool has {pool}; it could never run")
+        why = self.block_manager.capacity_error(req, longest)
+        if why is not None:
+            raise RequestError(f"{req.request_id}: {why}; it could never run")
         if width > self.scheduler.max_num_batched_tokens:
             raise RequestError(f"{req.request_id}: n/beam_width {width} exceeds "
                                f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens}")
@@ -99,6 +103,17 @@ class PagedEngine(Engine):
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.block_manager.prefix_hits
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request now: its blocks go back to the pool at once; every sample keeps the
         tokens it has so far."""
@@ -115,9 +130,7 @@ class PagedEngine(Engine):
         self.aborted = []
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
-        bm = self.block_manager
-        if bm.num_free_blocks != bm.num_blocks:   # interrupted between a fork and its commit
-            bm.release_all()
+        self.block_manager.release_all()   # anything still held was mid-step (a fork, say)
         return dropped
 
     # --- one step ---------------------------------------------------------------------------------
@@ -148,11 +161,15 @@ class PagedEngine(Engine):
         out.batch_size = len(sched.scheduled)
 
     # --- memory -----------------------------------------------------------------------------------
-    def kv_usage(self) -> KVUsage:
-        st = self.block_manager.stats(self.scheduler.live_seqs())
-        return KVUsage(st.allocated_slots, st.token_slots, st.num_blocks * self.block_size,
-                       self.model.kv_bytes_per_token)
+    def _head(self) -> Request | None:
+        """The request first in line for memory (what external fragmentation is measured for)."""
+        waiting = self.scheduler.waiting
+        return waiting[0].request if waiting else None
+
+    def kv_counts(self) -> KVCounts:
+        return self.block_manager.counts(self.scheduler.live_seqs(), self.model.kv_bytes_per_token,
+                                         self._head())
 
     def snapshot(self) -> MemorySnapshot:
         return self.block_manager.snapshot(self.scheduler.live_seqs(), self.name, self.step_count,
-                                           self.model.kv_bytes_per_token)
+                                           self.model.kv_bytes_per_token, self._head())

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...request import FinishReason, Request, RequestError, stop_reason
 from .beam import beam_step, select_beams
-from .block_manager import BlockManager
 from .sequence import Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from ...allocators import KVAllocator
 
 POLICIES = ("fcfs", "priority")
 
@@ -48,10 +51,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the requests in flight (``groups``) and the ``BlockManager``: ``schedule`` decides a
-    step, ``postprocess`` commits it (tokens appended, samples forked, finished ones freed)."""
+    """Owns the requests in flight (``groups``) and the KV allocator (the ``BlockManager``, or
+    any other ``minillm.allocators.KVAllocator``): ``schedule`` decides a step, ``postprocess``
+    commits it (tokens appended, samples forked, finished ones freed)."""
 
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int = 1024,
+    def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,
                  max_num_seqs: int = 64, policy: str = "fcfs", eos_ids: set[int] = frozenset(),
                  max_model_len: int = 1 << 62):
         if policy not in POLICIES:

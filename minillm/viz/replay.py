@@ -1,0 +1,157 @@
+"""Replay a workload through the real engine under each KV allocator, computing nothing (notebook 05).
+
+Memory waste in a KV cache depends only on *who holds which slots when*, not on what the model
+computes. So the visualizer runs the real ``PagedEngine`` — its scheduler, its postprocess, the
+allocator of ``minillm.allocators`` it is given — with a model runner that does no math
+(``NullRunner``: a scheduled token's K/V count as written at once) and a sampler that replays
+each sample's tokens (``ReplaySampler``: recorded ones for a trace of a real run, ``DUMMY_TOKEN``
+for a synthetic workload). Hundreds of steps take a fraction of a second, which is what lets
+notebook 05 re-run everything whenever a slider moves. Nothing here repeats what the engine does,
+so a replay cannot drift from it: a trace of a real run (``traces.py``) replays to the engine's own
+numbers, and the three allocators differ in memory only.
+
+``simulate`` serves a workload under one allocator, ``compare`` under all of them at one budget.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from ..allocators import ALLOCATORS, make_allocator
+from ..engines.base import StepOutput
+from ..engines.s3_paged.beam import BeamChoice
+from ..engines.s3_paged.engine import PagedEngine
+from ..engines.s3_paged.runner import reaching_end, step_order
+from ..engines.s3_paged.sequence import Sequence
+from ..request import Request, RequestError, SamplingParams
+from ..workload import SimRequest
+from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
+
+REPLAY_EOS = -2       # the replay "model"'s end-of-sequence token: ends each sample where it ended
+
+
+@dataclass
+class ReplayModel:
+    """What the engine reads off a model, for replays that run none."""
+
+    max_model_len: int
+    kv_bytes_per_token: int
+    eos_token_ids: set[int] = field(default_factory=lambda: {REPLAY_EOS})
+    tokenizer: object = None
+    device: torch.device = torch.device("cpu")
+    config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=1 << 31))
+
+
+class NullRunner:
+    """A model runner that computes nothing. Which sequences reach their newest token, and in
+    what order, is decided exactly as in ``ModelRunner.run``, so forks and frees happen in the
+    engine's own order."""
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        pass
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], None]:
+        order = step_order(scheduled)
+        return [order[k][0] for k in reaching_end(order)], None
+
+
+class ReplaySampler:
+    """Emits the tokens each sample produced and ends it after as many tokens as it had."""
+
+    def __init__(self, requests: dict[str, SimRequest]):
+        self.requests = requests
+
+    def __call__(self, logits, rows: list[tuple[int, Sequence]]):
+        tokens, beams = [], []
+        for _, seq in rows:
+            r, k = self.requests[seq.request.request_id], len(seq.output_token_ids)
+            if r.beam_width > 1:      # no scores needed: ``ReplayBeams`` knows the choice
+                beams.append((seq, torch.zeros(1)))
+                continue
+            last = k + 1 >= r.output_lens[seq.sample_id]
+            tokens.append((seq, REPLAY_EOS if last else r.token(seq.sample_id, k)))
+        return tokens, beams
+
+
+class ReplayBeams:
+    """Beam search's choice at each step, as the recorded run made it (``BeamChoice``)."""
+
+    def __init__(self, requests: dict[str, SimRequest]):
+        self.requests = requests
+
+    def __call__(self, group, eos_ids, max_model_len) -> BeamChoice:
+        recorded = self.requests[group.request.request_id].beam_choices
+        return BeamChoice.from_list(recorded[len(group.request.beam_choices)])
+
+
+def replay_engine(cfg: SimConfig, allocator: str, requests: dict[str, SimRequest]) -> PagedEngine:
+    """The real engine under ``allocator``, computing nothing; ``requests`` (filled as they are
+    added) says what each one produced."""
+    max_len = cfg.max_len or max((r.prompt_len + r.max_tokens for r in requests.values()), default=1)
+    alloc = make_allocator(allocator, cfg.budget_slots, cfg.block_size, max_len,
+                           cfg.enable_prefix_caching, cfg.wrap, cfg.max_model_len)
+    engine = PagedEngine(
+        ReplayModel(cfg.max_model_len, cfg.bytes_per_slot), block_size=cfg.block_size,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        policy=cfg.policy, runner=NullRunner(), sampler=ReplaySampler(requests),
+        block_manager=alloc)
+    engine.name = ALLOCATOR_LABELS[allocator]        # what its snapshots are titled
+    engine.scheduler.select_beams = ReplayBeams(requests)
+    return engine
+
+
+def as_request(r: SimRequest) -> Request:
+    params = SamplingParams(max_tokens=r.max_tokens, n=r.n, beam_width=r.beam_width)
+    return Request(list(r.prompt_token_ids), params, request_id=r.request_id, priority=r.priority)
+
+
+def simulate(requests: list[SimRequest], allocator: str = "paged", config: SimConfig | None = None,
+             max_steps: int = 100_000) -> SimResult:
+    """Serve ``requests`` under ``allocator``; one ``StepRecord`` (and snapshot) per engine step.
+
+    Like ``Engine.run`` but on a clock of steps: before each step, every request whose
+    ``arrival_step`` has come is added (in list order among equals); one the engine would reject
+    (it could never fit the memory alone) is rejected. With ``config.idle_steps`` an empty system
+    still ticks (synthetic timelines where arrival steps are clock time); without it, like the
+    engine, it jumps to the next arrival without recording a step.
+    """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"unknown allocator {allocator!r}: choose one of {', '.join(ALLOCATORS)}")
+    cfg = config or SimConfig()
+    sims = {r.request_id: r for r in requests}
+    engine = replay_engine(cfg, allocator, sims)
+    pending = deque(sorted(requests, key=lambda r: r.arrival_step))
+    steps, snaps, rejected, num_finished = [], [], [], 0
+    clock = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0].arrival_step <= clock:
+            req = as_request(pending.popleft())
+            try:
+                if cfg.validate or allocator != "paged":   # a trace's paged run accepted all
+                    engine.validate(req)
+                engine.add_request(req)
+            except RequestError:
+                rejected.append(req.request_id)
+        if not engine.has_unfinished() and (not pending or not cfg.idle_steps):
+            if pending:
+                clock = pending[0].arrival_step
+            continue
+        if len(steps) >= max_steps:
+            raise RuntimeError(f"{allocator}: not done after {max_steps} steps")
+        out = engine.step() if engine.has_unfinished() else StepOutput()
+        num_finished += len(out.finished)
+        engine.step_count += 1
+        clock += 1
+        steps.append(engine.record(out, engine.step_count, num_finished=num_finished))
+        if cfg.keep_snapshots:
+            snaps.append(engine.snapshot())
+    return SimResult(allocator, cfg, steps, snaps, len(requests), rejected)
+
+
+def compare(requests: list[SimRequest], config: SimConfig | None = None,
+            allocators: tuple[str, ...] = ALLOCATORS) -> dict[str, SimResult]:
+    """The same workload under every allocator at the same memory budget."""
+    return {a: simulate(requests, a, config) for a in allocators}
