@@ -56,3 +56,46 @@ def test_step_3_does_not_import_step_4():
             "assert not any(m.startswith('minillm.engines.s4_triton') for m in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def module_imports() -> dict[str, set[str]]:
+    """minillm module -> the minillm modules it imports when it is loaded (imports inside
+    functions and under ``TYPE_CHECKING`` run later, so they cannot form a cycle)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    graph: dict[str, set[str]] = {}
+    for path in (root / "minillm").rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_pkg else parts)
+        package = name if is_pkg else name.rpartition(".")[0]
+        deps = graph.setdefault(name, set())
+        for node in ast.parse(path.read_text()).body:      # module level only
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                mod = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+                deps.add(mod)
+                deps.update(f"{mod}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+    return {k: {d for d in v if d in graph and d != k} for k, v in graph.items()}
+
+
+def test_no_import_cycle_in_the_package():
+    graph = module_imports()
+    assert "minillm.allocators" in graph["minillm.viz.replay"]          # the graph is read
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            assert state.get(d) != 1, "import cycle: " + " -> ".join(path + [m, d])
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ...allocators import KVAllocator
 from ...request import FinishReason
 from .sequence import Sequence, SequenceGroup
-
-if TYPE_CHECKING:
-    from ...allocators import KVAllocator
 
 
 @dataclass

@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ...allocators import KVAllocator
 from ...request import FinishReason, Request, RequestError, stop_reason
 from .beam import beam_step, select_beams
 from .sequence import Sequence, SequenceGroup
-
-if TYPE_CHECKING:
-    from ...allocators import KVAllocator
 
 POLICIES = ("fcfs", "priority")
 
