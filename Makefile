@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full figures kernels clean
+.PHONY: setup browser lab test test-fast bench bench-full figures kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -63,6 +63,16 @@ figures: setup
 
 kernels: setup
 	$(BIN)/python -m minillm.bench_kernels
+
+# The classroom labs (docs/TEACHING.md): `make start STEP=03`, write the TODOs, `make check STEP=03`.
+STEP ?=
+start: setup
+	@test -n "$(STEP)" || { $(BIN)/python -m minillm.lab list; echo; echo "usage: make start STEP=03"; exit 2; }
+	$(BIN)/python -m minillm.lab start $(STEP)
+
+check: setup
+	@test -n "$(STEP)" || { $(BIN)/python -m minillm.lab list; echo; echo "usage: make check STEP=03"; exit 2; }
+	$(BIN)/python -m minillm.lab check $(STEP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,93 @@
+"""``python -m minillm.lab``: list, start and check the exercises; the answer key; notebook timings."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .exercises import EXERCISES, get
+
+
+def cmd_list(_args) -> int:
+    print("exercise       minutes  notebook               what you write")
+    for ex in EXERCISES.values():
+        print(f"{ex.id:14s} {ex.minutes:>7d}  {ex.notebook:22s} {ex.title}")
+        print(f"{'':46s}{ex.module}: {', '.join(ex.functions)}")
+    print("\nstart one with: python -m minillm.lab start <exercise>")
+    return 0
+
+
+def cmd_start(args) -> int:
+    from .grade import start
+    ex = get(args.exercise)
+    path = start(ex, Path(args.dir), force=args.force)
+    print(f"wrote {path}\n\nWrite the bodies marked TODO ({', '.join(ex.functions)}). The idea "
+          f"is taught in notebooks/{ex.notebook}.ipynb.\nHint: {ex.hint}\n\nThen grade it:\n"
+          f"    python -m minillm.lab check {ex.id}" +
+          (f" --dir {args.dir}" if args.dir != "labwork" else ""))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .grade import check, student_file
+    ex = get(args.exercise)
+    path = None if args.reference else Path(args.file) if args.file else \
+        student_file(ex, Path(args.dir))
+    who = "the package's own code (the reference)" if path is None else str(path)
+    print(f"grading exercise {ex.id} ({ex.title}) on {who}…", flush=True)
+    rc = check(ex, path, tuple(args.pytest_args)).returncode
+    if rc == 0:
+        print(f"\n✓ exercise {ex.id} passes: the engine runs your code and gets the right answers.")
+    else:
+        print(f"\n✗ exercise {ex.id} is not done yet: read the first failure above (its message "
+              f"says what the engine expected).\nHint: {ex.hint}")
+    return 0 if rc == 0 else 1
+
+
+def cmd_answers(_args) -> int:
+    from .questions import QUESTIONS
+    print("The key to the notebooks' numeric questions (computed now, from the engine):")
+    for q in QUESTIONS.values():
+        print(f"  {q.id:7s} {q.truth()!r:>14}   {q.text}")
+    return 0
+
+
+def cmd_timings(args) -> int:
+    from .timings import main
+    return main(full=args.full, only=args.only, json_path=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minillm.lab", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the exercises").set_defaults(fn=cmd_list)
+    s = sub.add_parser("start", help="write an exercise's skeleton into labwork/<id>/")
+    s.add_argument("exercise", help=f"one of {', '.join(EXERCISES)}")
+    s.add_argument("--dir", default="labwork", help="work folder (default: labwork)")
+    s.add_argument("--force", action="store_true", help="overwrite your file with a fresh skeleton")
+    s.set_defaults(fn=cmd_start)
+    c = sub.add_parser("check", help="grade an exercise")
+    c.add_argument("exercise", help=f"one of {', '.join(EXERCISES)}")
+    c.add_argument("--dir", default="labwork", help="work folder (default: labwork)")
+    c.add_argument("--file", help="grade this file instead of labwork/<id>/<module>.py")
+    c.add_argument("--reference", action="store_true",
+                   help="grade the package's own code (the reference solution)")
+    c.add_argument("pytest_args", nargs="*", help="passed to pytest (after --), e.g. -- -x")
+    c.set_defaults(fn=cmd_check)
+    sub.add_parser("answers", help="the teacher's key to the numeric questions") \
+        .set_defaults(fn=cmd_answers)
+    t = sub.add_parser("timings", help="run the notebooks headless and time each section")
+    t.add_argument("--full", action="store_true", help="full mode (default: quick mode)")
+    t.add_argument("--only", default="", help="comma-separated notebook prefixes, e.g. 00,03")
+    t.add_argument("--json", help="also write the numbers to this file")
+    t.set_defaults(fn=cmd_timings)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

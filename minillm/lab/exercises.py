@@ -1,0 +1,78 @@
+"""The exercises: for each rung, which functions of the engine a student writes, and who grades them.
+
+An exercise names a module of the package and the functions (or methods, ``Class.method``) whose
+bodies a student writes. ``start`` copies that module with those bodies replaced by a
+``NotImplementedError``; ``check`` runs the exercise's grader (``graders/test_<id>.py``) with the
+student's file standing in for the package's module, so the real engine runs the student's code.
+The package's own code is the reference solution: graded without a student file, it must pass.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str
+    title: str
+    module: str               # dotted name of the module the student rewrites
+    functions: tuple[str, ...]
+    notebook: str             # where the idea is taught
+    minutes: int              # what a student needs, roughly (the teacher's guide plans with it)
+    hint: str
+
+    @property
+    def file_name(self) -> str:
+        return self.module.rpartition(".")[2] + ".py"
+
+    @property
+    def source_path(self) -> Path:
+        return Path(importlib.util.find_spec(self.module).origin)
+
+    @property
+    def grader(self) -> Path:
+        return Path(__file__).parent / "graders" / f"test_{self.id.replace('-', '_')}.py"
+
+
+EXERCISES: dict[str, Exercise] = {e.id: e for e in [
+    Exercise("01", "Static batching: left padding, the mask and the positions",
+             "minillm.engines.padded", ("left_pad", "hf_forward"), "01_static_batching", 25,
+             "Pad on the left so every row's newest token is in the last column; the mask is 1 "
+             "on real tokens; a row's positions count its real tokens only."),
+    Exercise("02", "Dynamic batching: requests join and leave the running batch",
+             "minillm.engines.s2_dynamic", ("DynamicBatchEngine._admit", "DynamicBatchEngine._compact"),
+             "02_dynamic_batching", 35,
+             "Newcomers are prefilled together, then take the holes first and new rows after; "
+             "compaction drops the holes from the rows *and* from the KV rectangle."),
+    Exercise("03", "The block manager: append, fork, free and copy-on-write",
+             "minillm.engines.s3_paged.block_manager",
+             ("BlockManager.blocks_needed", "BlockManager._needs_cow", "BlockManager.append_slots",
+              "BlockManager.fork", "BlockManager.free", "BlockManager._release"),
+             "03_block_manager", 40,
+             "A block's ref_count is the number of sequences listing it; a block goes back to "
+             "the free queue when its count reaches 0; writing into a block someone else holds "
+             "copies it first."),
+    Exercise("03-scheduler", "The scheduler: token budget, admission and preemption",
+             "minillm.engines.s3_paged.scheduler",
+             ("Scheduler._schedule_running", "Scheduler._schedule_waiting", "Scheduler.preempt"),
+             "03_block_manager", 45,
+             "Running requests first, then waiting ones, while the budget, max_num_seqs and free "
+             "blocks last; when a running sequence cannot get a block, preempt the lowest-ranked "
+             "running request: free all its blocks and put it back at the front of the queue."),
+    Exercise("04", "Paged attention: write K/V into slots, read them back through block tables",
+             "minillm.engines.s3_paged.attention",
+             ("TorchAttention.write_kv", "TorchAttention.gather", "TorchAttention.decode"),
+             "04_triton_kernels", 30,
+             "Token i of a sequence lives in block block_table[i // block_size] at offset "
+             "i % block_size; decode attends to the first context_lens[b] tokens only."),
+]}
+
+
+def get(exercise_id: str) -> Exercise:
+    key = str(exercise_id).strip()
+    if key not in EXERCISES:
+        raise SystemExit(f"no exercise {exercise_id!r}: choose one of {', '.join(EXERCISES)} "
+                         "(python -m minillm.lab list)")
+    return EXERCISES[key]

@@ -1,0 +1,139 @@
+"""Exercise 03 — the block manager: ``blocks_needed``, ``_needs_cow``, ``append_slots``, ``fork``,
+``free`` and ``_release`` in ``block_manager.py``.
+
+Random sequences of allocations, appends, forks and frees (hypothesis) must keep the books exact
+after every operation; copy-on-write must protect every sharer; and the paged engine built on the
+student's block manager must produce Hugging Face's tokens, with a pool small enough to preempt.
+"""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm import LLM, SamplingParams
+from minillm.engines.s3_paged.block_manager import BlockManager
+from minillm.engines.s3_paged.sequence import Sequence
+from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
+from minillm.request import Request
+
+
+def check_block_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
+    """The books of a block manager, given every sequence that holds blocks."""
+    held: dict[int, int] = {}
+    for s in seqs:
+        for b in s.block_table:
+            held[b] = held.get(b, 0) + 1
+    for b in bm.blocks:
+        assert b.ref_count == held.get(b.block_id, 0), (
+            f"block {b.block_id}: ref_count {b.ref_count}, but {held.get(b.block_id, 0)} "
+            "sequence(s) list it in their block table")
+        assert (b.ref_count == 0) == (b.block_id in bm.free_queue), (
+            f"block {b.block_id}: ref_count {b.ref_count} but "
+            f"{'in' if b.block_id in bm.free_queue else 'not in'} the free queue — a block is "
+            "free exactly when nobody holds it")
+    assert len(set(bm.free_queue)) == len(bm.free_queue) == bm.num_free_blocks
+    for h, bid in bm.cached.items():
+        assert bm.blocks[bid].hash == h
+    for s in seqs:
+        assert len(s.block_table) * bm.block_size >= s.num_computed_tokens, \
+            f"sequence {s.seq_id} has computed tokens without slots for them"
+
+
+ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free", "grow"]),
+                         st.integers(0, 10_000), st.integers(1, 40)), max_size=80)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=ops, num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]),
+       prefix=st.booleans())
+def test_random_operations_keep_the_books(ops, num_blocks, block_size, prefix):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    req = Request([1], SamplingParams())
+    seqs: list[Sequence] = []
+    for op, pick, n in ops:
+        if op == "new":
+            # a small vocabulary, so prompts repeat and prefix-cache hits happen
+            seq = Sequence(req, [(pick + i) % 3 for i in range(n)], n)
+            bm.allocate_cached_prefix(seq)
+            if bm.can_append(seq, seq.num_uncomputed):
+                bm.append_slots(seq, seq.num_uncomputed)
+                seq.num_computed_tokens = seq.num_tokens
+                bm.cache_full_blocks(seq)
+                seqs.append(seq)
+            else:
+                bm.free(seq)
+        elif seqs:
+            seq = seqs[pick % len(seqs)]
+            if op in ("append", "grow"):
+                k = 1 if op == "append" else n
+                seq.token_ids += [pick % 3] * k
+                if bm.can_append(seq, k):
+                    need, before = bm.blocks_needed(seq, k), bm.num_free_blocks
+                    copies = bm.append_slots(seq, k)
+                    assert before - bm.num_free_blocks == need, (
+                        f"blocks_needed said {need}, append_slots took "
+                        f"{before - bm.num_free_blocks}")
+                    for src, dst in copies:
+                        assert src != dst and bm.blocks[dst].ref_count == 1
+                    seq.num_computed_tokens = seq.num_tokens
+                    bm.cache_full_blocks(seq)
+                else:
+                    del seq.token_ids[-k:]
+            elif op == "fork":
+                seqs.append(bm.fork(seq))
+            elif op == "free":
+                bm.free(seq)
+                assert seq.block_table == [], "a freed sequence holds no blocks"
+                seqs.remove(seq)
+        check_block_invariants(bm, seqs)
+    for seq in seqs:
+        bm.free(seq)
+    check_block_invariants(bm, [])
+    assert bm.num_free_blocks == num_blocks, "every block returns to the pool"
+
+
+def test_copy_on_write_protects_every_sharer():
+    bm = BlockManager(8, 4)
+    req = Request([1], SamplingParams())
+    a = Sequence(req, list(range(6)), 6)               # blocks: [0 1 2 3] [4 5 _ _]
+    bm.append_slots(a, 6)
+    a.num_computed_tokens = 6
+    b = bm.fork(a)
+    assert b.block_table == a.block_table, "a fork shares every block of its parent"
+    assert all(bm.blocks[x].ref_count == 2 for x in a.block_table), \
+        "a fork adds one reference to each shared block"
+    b.token_ids.append(99)
+    copies = bm.append_slots(b, 1)                     # b writes into the shared half-full block
+    assert copies == [(a.block_table[1], b.block_table[1])], (
+        "writing into a block another sequence holds must copy it first: append_slots returns "
+        f"[(shared block, new block)], got {copies}")
+    assert a.block_table[0] == b.block_table[0], "the full first block stays shared"
+    assert bm.blocks[a.block_table[1]].ref_count == 1 == bm.blocks[b.block_table[1]].ref_count
+    bm.free(a)                                         # the child keeps what it still shares
+    assert bm.blocks[b.block_table[0]].ref_count == 1 and b.block_table[0] not in bm.free_queue, \
+        "freeing one sharer must not free a block another sequence still holds"
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_paged_engine_on_this_block_manager_equals_hf(tiny):
+    """A pool of 10 blocks of 4 slots for 6 requests: blocks are shared, freed, reused and the
+    scheduler preempts — the tokens must not change."""
+    prompts = random_prompts(6, seed=31, lo=3, hi=14)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=10, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, params)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert o.error is None, o.error
+        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 10), label=f"request {i}")
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "after the run every block is back in the pool"
+
+
+def test_parallel_samples_share_their_prompt(tiny):
+    """n = 3 samples of one 10-token prompt: the prompt's blocks are shared, not copied."""
+    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=32)
+    peaks = []
+    llm.generate([list(range(3, 13))], SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=0),
+                 on_step=lambda snap, rec: peaks.append(int((snap.ref_counts > 1).sum())))
+    assert max(peaks) >= 2, "the samples' first prompt blocks should be shared (ref_count > 1)"

@@ -1,0 +1,106 @@
+"""Numeric questions of the notebooks' labs, checked against numbers the engine computes.
+
+``lab.check("01.q3a", answer)`` in a notebook says whether an answer is right (within a tolerance)
+without printing the expected value; the truth is computed from the model's configuration and the
+package's own code each time, never typed in. ``python -m minillm.lab answers`` prints the key for
+the teacher.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+
+@lru_cache(maxsize=1)
+def smollm2_kv_bytes_per_token() -> int:
+    """K and V of one token across every layer of SmolLM2-135M in fp32, from its config."""
+    from transformers import AutoConfig
+
+    from ..models import ensure_smollm2_cache
+    c = AutoConfig.from_pretrained(ensure_smollm2_cache())
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+
+
+def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int = 3,
+                                 block_size: int = 16) -> tuple[int, int]:
+    """Blocks held at the end by ``n`` independent requests vs one request with ``n`` samples,
+    counted by running the block manager itself."""
+    from ..engines.s3_paged.block_manager import BlockManager
+    from ..engines.s3_paged.sequence import Sequence
+    from ..request import Request, SamplingParams
+
+    def used(bm: BlockManager) -> int:
+        return bm.num_blocks - bm.num_free_blocks
+
+    def grow(bm: BlockManager, seq: Sequence, k: int) -> None:
+        seq.token_ids += [0] * k
+        bm.append_slots(seq, k)
+        seq.num_computed_tokens = seq.num_tokens
+
+    req = Request([1] * prompt_len, SamplingParams())
+    alone = BlockManager(1000, block_size)
+    for _ in range(n):
+        seq = Sequence(req, [1] * prompt_len, prompt_len)
+        alone.append_slots(seq, prompt_len)
+        seq.num_computed_tokens = prompt_len
+        grow(alone, seq, out_len)
+    shared = BlockManager(1000, block_size)
+    first = Sequence(req, [1] * prompt_len, prompt_len)
+    shared.append_slots(first, prompt_len)
+    first.num_computed_tokens = prompt_len
+    for seq in [first] + [shared.fork(first) for _ in range(n - 1)]:
+        grow(shared, seq, out_len)
+    return used(alone), used(shared)
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    text: str
+    truth: Callable[[], object]
+    hint: str
+    rel_tol: float = 0.01
+
+
+QUESTIONS: dict[str, Question] = {q.id: q for q in [
+    Question("00.q1", "KV memory, in bytes, of 32 concurrent requests of 2,048 tokens on SmolLM2 "
+             "(fp32)", lambda: 32 * 2048 * smollm2_kv_bytes_per_token(),
+             "model.kv_bytes_per_token is one token's K and V over all layers; answer in bytes"),
+    Question("01.q3a", "rows of 2,048 slots that fit in 1 GiB of KV memory on SmolLM2 (fp32)",
+             lambda: 2**30 // (2048 * smollm2_kv_bytes_per_token()),
+             "a row reserves 2,048 × kv_bytes_per_token bytes; 1 GiB = 2**30 bytes; whole rows "
+             "only", rel_tol=0.0),
+    Question("01.q3b", "fraction of those reserved slots that hold tokens when the average "
+             "request uses 300 tokens", lambda: 300 / 2048,
+             "tokens used / slots reserved per row, as a fraction between 0 and 1"),
+    Question("03.q3", "(blocks held by 3 independent requests, blocks held by one request with "
+             "n = 3) for a 64-token prompt, block_size 16, 20 output tokens per sample",
+             blocks_independent_vs_shared,
+             "a tuple of two integers; with n = 3 the prompt's 4 full blocks are stored once",
+             rel_tol=0.0),
+]}
+
+
+def _close(answer, truth, rel_tol: float) -> bool:
+    if isinstance(truth, tuple):
+        return (isinstance(answer, (tuple, list)) and len(answer) == len(truth)
+                and all(_close(a, t, rel_tol) for a, t in zip(answer, truth)))
+    if isinstance(truth, str):
+        return isinstance(answer, str) and answer.strip().casefold() == truth.casefold()
+    try:
+        return math.isclose(float(answer), float(truth), rel_tol=rel_tol, abs_tol=1e-12)
+    except (TypeError, ValueError):
+        return False
+
+
+def check(question_id: str, answer) -> bool:
+    """Print whether ``answer`` is right (never the expected value) and return it."""
+    q = QUESTIONS.get(str(question_id))
+    if q is None:
+        raise KeyError(f"no question {question_id!r}: known ones are {', '.join(QUESTIONS)}")
+    ok = _close(answer, q.truth(), q.rel_tol)
+    print(f"✓ {q.id}: right." if ok else f"✗ {q.id}: not yet ({answer!r}). Hint: {q.hint}.")
+    return ok
