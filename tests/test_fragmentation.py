@@ -224,6 +224,8 @@ def test_the_engine_records_when_requests_arrive(tiny):
                                                                        ignore_eos=True))
     late[1].arrival_offset_s = 0.05
     res = llm.run(late)
+    assert res.steps[0].step == 1 == result.steps[0].step, "each run counts its steps from 1"
+    assert llm.engine.total_steps == len(result.steps) + len(res.steps)
     steps = [r.arrival_step for r in trace_from_run(res, late, llm.engine).requests]
     assert steps[0] == 0 and steps[1] == late[1].added_step
     unrun = llm.make_requests(random_prompts(1, seed=7), SamplingParams(max_tokens=2))

@@ -58,7 +58,8 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.eos_ids = model.eos_token_ids
         self.max_model_len = model.max_model_len
-        self.step_count = 0
+        self.step_count = 0          # steps of the current (or last) run: each run counts from 1
+        self.total_steps = 0         # every step this engine ever ran
         # One run at a time: a second thread's run() waits for the first (see ``_exclusive``).
         self._run_lock = threading.Lock()
         self._run_thread: int | None = None
@@ -182,7 +183,8 @@ class Engine:
 
     def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
              on_output: OnOutput | None) -> RunResult:
-        t0, first_step = time.perf_counter(), self.step_count
+        t0 = time.perf_counter()
+        self.step_count = 0
         start = (self.num_preemptions, self.prefix_hit_tokens)
         pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
         done: dict[str, RequestOutput] = {}
@@ -204,7 +206,7 @@ class Engine:
                     try:
                         self.validate(req)
                         self.add_request(req)
-                        req.added_step = self.step_count - first_step
+                        req.added_step = self.step_count
                     except RequestError as e:
                         req.finish(FinishReason.ERROR, error=str(e))
                         finish(RequestOutput.from_request(req))
@@ -214,6 +216,7 @@ class Engine:
                     continue
                 out = self.step()
                 self.step_count += 1
+                self.total_steps += 1
                 for req in out.finished:
                     finish(self.make_output(req))
                 record = self.record(out, self.step_count, time.perf_counter() - t0, len(done),

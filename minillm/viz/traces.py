@@ -112,9 +112,9 @@ def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progr
     The engine must be fresh (no step run yet): a replay starts from an empty pool, and a used
     pool remembers its free-block order and, with prefix caching, its cached blocks."""
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    if engine.step_count:
+    if engine.total_steps:
         raise ValueError("record a trace on a fresh engine (this one has already run "
-                         f"{engine.step_count} steps): create a new LLM/PagedEngine")
+                         f"{engine.total_steps} steps): create a new LLM/PagedEngine")
     result = engine.run(requests, on_step=on_step, progress=progress)
     return result, trace_from_run(result, requests, engine, source)
 
