@@ -298,3 +298,18 @@ def test_a_replaced_allocator_needs_a_runner_for_it(tiny):
     from minillm.engines.s3_paged.engine import PagedEngine
     with pytest.raises(ValueError, match="pass a runner"):
         PagedEngine(tiny, block_manager=make_allocator("exact", 64))
+
+
+def test_a_request_keeps_its_colour_across_frames_and_panels():
+    """Colours follow the request, not its position in a snapshot's owner list."""
+    from minillm.memory import MemorySnapshot
+    from minillm.viz.plots import memory_image, owner_color
+
+    def snap(owners):
+        kind = np.full((len(owners), 2), TOKEN, dtype=np.int8)
+        owner = np.repeat(np.arange(len(owners), dtype=np.int32)[:, None], 2, axis=1)
+        return MemorySnapshot("x", 1, kind, owner, owners, 1)
+    both, alone = memory_image(snap(["3", "5"])), memory_image(snap(["5"]))
+    assert np.allclose(both[1, 0], alone[0, 0]) and np.allclose(alone[0, 0], owner_color("5"))
+    assert owner_color("req-4") != owner_color("req-5")     # neighbours differ
+    assert owner_color("chat-a") == owner_color("chat-a")

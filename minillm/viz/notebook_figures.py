@@ -23,6 +23,7 @@ from matplotlib.patches import Rectangle
 from ..memory import FREE, PADDING, MemorySnapshot
 from .accounting import ALLOCATOR_LABELS, SimResult
 from .plots import (ALLOCATOR_COLORS, BLUE, IDLE, KIND_COLORS, OWNER_COLORS, RED, WORKING,
+                    integer_ticks, owner_color,
                     draw_snapshot, memory_legend_handles, new_figure, plot_fragmentation,
                     plot_timeline, request_timeline)
 
@@ -50,6 +51,7 @@ def kv_cache_cost_figure(nocache, cached, view: LiveMemoryView, bytes_per_token:
     ax_m.plot([st for st, _ in held], [n * bytes_per_token / 2**20 for n in tokens], marker="o",
               ms=3, color=BLUE)
     ax_m.set_xlabel("engine step")
+    integer_ticks(ax_m)
     ax_m.set_ylabel("KV cache (MiB)")
     ax_m.set_title(f"KV memory of the cached loop: +{bytes_per_token / 1024:.0f} KiB per token "
                    f"({tokens[0]} -> {tokens[-1]} tokens)" if tokens else "KV memory", fontsize=10)
@@ -104,6 +106,7 @@ def dynamic_holes_figure(view: LiveMemoryView, baseline: LiveMemoryView | None =
         ax_w.plot(v.steps(), w, drawstyle="steps-post", color=color, label=label)
     ax_w.set_ylim(0, 100)
     ax_w.set_xlabel("engine step")
+    integer_ticks(ax_w)
     ax_w.set_ylabel("waste % of allocated KV")
     ax_w.set_title("KV waste over the run", fontsize=9)
     ax_w.legend(fontsize=8)
@@ -121,7 +124,7 @@ def plot_block_tables(snap: MemorySnapshot, ax, max_seqs: int = 12):
     for r, (seq_id, table) in enumerate(tables):
         for i, bid in enumerate(table):
             owner = int(snap.owner[bid, 0])
-            color = OWNER_COLORS[owner % len(OWNER_COLORS)] if owner >= 0 else KIND_COLORS[FREE]
+            color = owner_color(snap.owners[owner]) if owner >= 0 else KIND_COLORS[FREE]
             shared = snap.ref_counts is not None and snap.ref_counts[bid] > 1
             ax.add_patch(Rectangle((i, r), 0.95, 0.9, facecolor=color,
                                    edgecolor="black" if shared else "white",
@@ -257,6 +260,7 @@ def plot_allocators(results: dict[str, SimResult], ax, value, ylabel: str, t: in
                 color=ALLOCATOR_COLORS[name], label=ALLOCATOR_LABELS[name], lw=lw)
     ax.axvline(t + 1, color="black", lw=now_lw)
     ax.set_xlabel("engine step")
+    integer_ticks(ax)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     return ax

@@ -16,6 +16,8 @@ visualizer's allocators. Used by every notebook (00-05) through ``live_view.py``
 from __future__ import annotations
 
 import io
+import re
+import zlib
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +27,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from ..memory import CACHED, FREE, PADDING, RESERVED, TAIL, TOKEN, KVCounts, MemorySnapshot
 from .accounting import WASTE_KINDS
@@ -66,6 +69,14 @@ def memory_legend_handles(external: bool = False) -> list[Patch]:
     return handles
 
 
+def integer_ticks(ax, which: str = "x") -> None:
+    """Steps, rows and slots are whole numbers: never a tick at 2.5."""
+    if which in ("x", "both"):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if which in ("y", "both"):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def new_figure(figsize=(12, 4)) -> Figure:
     """A figure outside pyplot: never shown twice by the inline backend, never leaked."""
     fig = Figure(figsize=figsize)
@@ -80,14 +91,24 @@ def render_png(fig: Figure, dpi: int = 72) -> bytes:
 
 
 # --- memory maps --------------------------------------------------------------------------------
+def owner_color(request_id: str) -> tuple[float, float, float]:
+    """A request's colour, the same in every frame and panel whoever else is in the picture:
+    from the number its id ends with (LLM numbers requests in order, so neighbours differ), or a
+    stable hash of the id."""
+    digits = re.search(r"(\d+)$", request_id)
+    key = int(digits.group(1)) if digits else zlib.crc32(request_id.encode())
+    return OWNER_COLORS[key % len(OWNER_COLORS)]
+
+
 def memory_image(snap: MemorySnapshot) -> np.ndarray:
-    """RGB image [rows, cols, 3]: token cells coloured by owner, the rest by kind."""
+    """RGB image [rows, cols, 3]: token cells coloured by their request, the rest by kind."""
     img = np.zeros(snap.kind.shape + (3,))
     for kind, color in KIND_COLORS.items():
         img[snap.kind == kind] = matplotlib.colors.to_rgb(color)
     tokens = snap.kind == TOKEN
-    owners = snap.owner[tokens] % len(OWNER_COLORS)
-    img[tokens] = np.array(OWNER_COLORS)[owners] if owners.size else img[tokens]
+    if tokens.any():
+        palette = np.array([owner_color(rid) for rid in snap.owners] or [OWNER_COLORS[0]])
+        img[tokens] = palette[snap.owner[tokens].clip(0, len(palette) - 1)]
     return img
 
 
@@ -105,16 +126,18 @@ def plot_memory(snap: MemorySnapshot, ax=None, title: str | None = None, max_row
     u = snap.counts
     ax.set_title(title or f"{snap.engine} — step {snap.step}: {u.token} token slots of "
                           f"{u.allocated} allocated ({100 * u.waste_fraction:.0f}% waste)",
-                 fontsize=9)
+                 fontsize=10)
+    integer_ticks(ax, "both")
     ax.set_ylabel(snap.row_label + "s")
     ax.set_xlabel("slot in block" if snap.layout == "blocks" else "slot (position)")
     if snap.ref_counts is not None and rows <= 48:
         for r in range(rows):
             if snap.ref_counts[r] > 1:
                 ax.text(snap.kind.shape[1] - 0.5, r, f"×{snap.ref_counts[r]}", ha="right",
-                        va="center", fontsize=7)
+                        va="center", fontsize=9, fontweight="bold",
+                        bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.8))
     ax.legend(handles=memory_legend_handles(), loc="upper center", bbox_to_anchor=(0.5, -0.15),
-              ncol=5, fontsize=7, frameon=False)
+              ncol=5, fontsize=8, frameon=False)
     return ax
 
 
@@ -139,7 +162,7 @@ def draw_snapshot(snap: MemorySnapshot, ax, title: str | None = None, max_rows: 
     """``plot_memory`` plus two things: a block pool with more than ``max_rows`` blocks is drawn
     as its address space (several blocks per row, block edges marked), and holes too small for
     the next request (external fragmentation, recorded by the contiguous allocators of
-    ``contiguous.py``) are shaded."""
+    ``minillm/allocators``) are shaded."""
     if snap.layout == "blocks" and snap.kind.shape[0] > max_rows:
         snap = as_address_space(snap, -(-snap.kind.shape[0] // max_rows))
     plot_memory(snap, ax, title=title)
@@ -185,6 +208,7 @@ def plot_fragmentation(steps: list[int], counts: list[KVCounts], ax, current: in
     if budget:
         ax.axhline(budget, color="black", lw=0.8, ls=":", label="memory budget")
     ax.set_xlabel("engine step")
+    integer_ticks(ax)
     ax.set_ylabel("KV slots")
     ax.set_title(title, fontsize=9)
     ax2 = ax.twinx()
@@ -259,6 +283,7 @@ def plot_timeline(snapshots: list[MemorySnapshot], ax, title: str = "who holds K
                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(ids) - 0.5, -0.5))
     ax.set_yticks(range(len(ids)), ids, fontsize=7)
     ax.set_xlabel("engine step")
+    integer_ticks(ax)
     ax.set_ylabel("request")
     ax.set_title(title, fontsize=9)
     ax.legend(handles=[Patch(color=TIMELINE_COLORS[WORKING], label="computing a token"),
