@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full figures kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -60,6 +60,10 @@ bench-full: setup
 
 figures: setup
 	$(BIN)/python -m minillm.viz.figures
+
+# Executed copies of the notebooks (HTML, every figure embedded) for readers who run nothing.
+html: setup
+	$(BIN)/python -m minillm.lab export
 
 kernels: setup
 	$(BIN)/python -m minillm.bench_kernels

@@ -3,6 +3,7 @@ without outputs."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -86,3 +87,21 @@ def test_notebook_04_without_triton_says_so_and_runs(monkeypatch, tmp_path):
     nb = run_notebook(ROOT / "notebooks" / "04_triton_kernels.ipynb", monkeypatch)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "kernels can run: False" in text and "skipped: the kernels need Triton" in text
+
+
+@pytest.mark.slow
+def test_export_leaves_every_figure_in_the_html(tmp_path):
+    """`python -m minillm.lab export` writes copies a reader can open without running anything:
+    the live views' final pictures are in the page as images, not as widgets needing a kernel."""
+    from minillm.lab.timings import time_notebook
+
+    python_kernel()
+    result = time_notebook(ROOT / "notebooks" / "00_naive_loop.ipynb", quick=True,
+                           html_dir=tmp_path)
+    html = (tmp_path / "00_naive_loop.html").read_text()
+    assert result["total_s"] > 0 and result["sections"]
+    images = len(re.findall(r"<img [^>]*src=\"data:image/png;base64,", html))
+    views = sum(c.source.count("LiveMemoryView(") for c in nbformat.read(
+        ROOT / "notebooks" / "00_naive_loop.ipynb", as_version=4).cells if c.cell_type == "code")
+    assert views and images >= views, f"{images} images for {views} live views"
+    assert "widget-view+json" not in html

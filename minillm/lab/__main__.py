@@ -54,7 +54,12 @@ def cmd_answers(_args) -> int:
 
 def cmd_timings(args) -> int:
     from .timings import main
-    return main(full=args.full, only=args.only, json_path=args.json)
+    return main(full=args.full, only=args.only, json_path=args.json, html_dir=args.html)
+
+
+def cmd_export(args) -> int:
+    from .timings import main
+    return main(full=not args.quick, only=args.only, json_path=args.json, html_dir=args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--full", action="store_true", help="full mode (default: quick mode)")
     t.add_argument("--only", default="", help="comma-separated notebook prefixes, e.g. 00,03")
     t.add_argument("--json", help="also write the numbers to this file")
+    t.add_argument("--html", help="also write each executed notebook as HTML into this folder")
     t.set_defaults(fn=cmd_timings)
+    x = sub.add_parser("export", help="run every notebook (full mode) and keep HTML copies with "
+                                      "every figure in notebooks/html/")
+    x.add_argument("--out", default="notebooks/html", help="folder (default: notebooks/html)")
+    x.add_argument("--quick", action="store_true", help="quick mode (tiny runs)")
+    x.add_argument("--only", default="", help="comma-separated notebook prefixes, e.g. 00,03")
+    x.add_argument("--json", help="also write the timings to this file")
+    x.set_defaults(fn=cmd_export)
     return p
 
 

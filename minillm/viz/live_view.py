@@ -15,6 +15,7 @@ import time
 from matplotlib.figure import Figure
 
 from ..memory import KVCounts, MemorySnapshot
+from .notebook import static_export
 from .plots import live_figure, render_png
 
 
@@ -56,7 +57,11 @@ class LiveMemoryView:
             self._last_draw = time.perf_counter()
 
     def finish(self) -> "LiveMemoryView":
-        """Draw the last step and hand the slider to the user."""
+        """Draw the last step and hand the slider to the user (in a static export, also leave
+        the picture itself in the output)."""
+        if static_export() and self.snapshots:
+            from IPython.display import Image, display
+            display(Image(render_png(self.figure(self.last_busy()), self.dpi)))
         if self._ui is not None and self.snapshots:
             self.show(self.last_busy())
             self._ui["slider"].disabled = False

@@ -14,6 +14,13 @@ def quick_mode() -> bool:
     return os.environ.get("MINILLM_QUICK", "") not in ("", "0")
 
 
+def static_export() -> bool:
+    """``MINILLM_STATIC=1`` (set by ``python -m minillm.lab export``): widgets also leave a plain
+    picture of their final state in the output, so an exported notebook shows every figure to a
+    reader who runs nothing (widgets need a live kernel)."""
+    return os.environ.get("MINILLM_STATIC", "") not in ("", "0")
+
+
 def setup(quick: bool | None = None) -> bool:
     """Notebook preamble: returns whether quick mode is on. In quick mode, and on machines with
     two cores or fewer, torch gets one thread: on a small shared CPU two threads contending with
