@@ -95,6 +95,10 @@ class DynamicBatchEngine(ContiguousEngine):
         return out
 
     def _admit(self, out: StepOutput) -> None:
+        """Join: prefill as many waiting requests as there are free rows, together in one left-padded
+        batch (``left_pad`` + ``hf_forward``), and sample each one's first token. Those not already
+        done take the holes first, then new rows; their KV is merged into the rectangle
+        (``PaddedKV.merge``). A request done after its first token never joins."""
         free = self.max_num_seqs - self.num_running()
         if not self.waiting or free <= 0:
             return
@@ -129,6 +133,9 @@ class DynamicBatchEngine(ContiguousEngine):
                 self.rows.append(new[i])
 
     def _compact(self) -> None:
+        """Leave: drop the rows of requests that left (``None`` in ``self.rows``) from the row list
+        *and* from the KV rectangle (``PaddedKV.select_rows``), so nothing more is computed for
+        them. With no request left, the rectangle goes too."""
         live = [i for i, r in enumerate(self.rows) if r is not None]
         if len(live) == len(self.rows):
             return

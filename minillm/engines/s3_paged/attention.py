@@ -47,6 +47,9 @@ class TorchAttention:
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        """Scatter this step's new K/V rows [T, kv_heads, head_dim] into the pools
+        [num_blocks, block_size, kv_heads, head_dim]: row t goes to flat slot ``slot_mapping[t]``
+        (= block * block_size + offset)."""
         nkv, d = k.shape[1], k.shape[2]
         k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v)

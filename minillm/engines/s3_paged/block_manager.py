@@ -89,6 +89,8 @@ class BlockManager:
         return bid
 
     def _release(self, bid: int) -> None:
+        """Drop one reference to block ``bid``; at zero it joins the back of the free queue (evicted
+        last; with prefix caching its contents stay reusable until then)."""
         block = self.blocks[bid]
         assert block.ref_count > 0, f"block {bid} freed twice"
         block.ref_count -= 1
@@ -136,6 +138,8 @@ class BlockManager:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def fork(self, parent: Sequence) -> Sequence:
+        """A child sharing every block of ``parent``: one more reference each, nothing copied until
+        someone writes into a shared block (``append_slots``)."""
         child = parent.fork()
         for bid in child.block_table:
             self.blocks[bid].ref_count += 1
@@ -153,6 +157,7 @@ class BlockManager:
         dst.num_cached_tokens = min(src.num_cached_tokens, src.prompt_len)
 
     def free(self, seq: Sequence) -> None:
+        """Give back one reference to each of ``seq``'s blocks; it holds none afterwards."""
         # Tail first: the prompt's prefix blocks then sit at the back of the free queue and are
         # evicted last, since they are the likeliest to be reused.
         for bid in reversed(seq.block_table):

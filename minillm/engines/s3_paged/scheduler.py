@@ -106,6 +106,11 @@ class Scheduler:
         return out
 
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+        """Schedule one running group within ``budget``; return the budget left. Each sequence gets
+        the tokens it still needs (``_num_to_compute``) once its slots are appended; while they
+        cannot be, preempt the lowest-ranked running group (the last of ``self.running``), until
+        they can or the group itself was the victim. Beams and samples decode together or not
+        at all."""
         if all(s.num_uncomputed == 1 for s in group.seqs) and len(group.seqs) > budget:
             return budget  # beams and samples decode together, or not at all this step
         self._readopt_prompt(group)
@@ -126,6 +131,10 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last;
+        return the budget left. A group first adopts cached prefix blocks, then each sequence's
+        tokens are planned and their slots appended. A group none of whose tokens fit stays at
+        the head of the queue (giving back any prefix blocks it adopted): nobody overtakes it."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             group = self.waiting[0]
             leader = group.seqs[0]
