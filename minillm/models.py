@@ -127,7 +127,7 @@ def ensure_smollm2_cache() -> Path:
     """
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
-        return out
+        return plain_hf_dir(out)
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     gguf = smollm2_gguf_path()
@@ -140,8 +140,23 @@ def ensure_smollm2_cache() -> Path:
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    plain_hf_dir(tmp)
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def plain_hf_dir(path: Path) -> Path:
+    """Make ``path`` a plain Hugging Face model directory: the config of a model loaded from a
+    GGUF keeps a ``quantization_config`` naming the GGUF file, which the saved fp32 weights no
+    longer match and which other tools (vLLM) refuse. Dropped once; returns ``path``."""
+    import json
+
+    cfg = path / "config.json"
+    data = json.loads(cfg.read_text())
+    if "quantization_config" in data:
+        del data["quantization_config"]
+        cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 def tiny_llama_config():

@@ -63,3 +63,17 @@ def test_smollm2_forward_equals_hf(smol):
         got = paged_logits(smol, prompt, [len(prompt) - 3, 1, 2], block_size=16)
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
     assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_converted_smollm2_is_a_plain_hf_directory(tmp_path):
+    """Other tools (vLLM, transformers without gguf) load the converted directory: its config
+    names no GGUF quantization, and a config that still does is repaired on the next load."""
+    import json
+
+    from minillm.models import ensure_smollm2_cache, plain_hf_dir
+    cfg = json.loads((ensure_smollm2_cache() / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "quantization_config": {"quant_method": "gguf", "gguf_file": "x.gguf"}}))
+    plain_hf_dir(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == cfg
