@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full figures html kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -57,6 +57,10 @@ bench: setup
 
 bench-full: setup
 	$(BIN)/python -m minillm bench
+
+# Where a decode step's time goes, at 1-256 running sequences (torch.profiler, per component).
+profile: setup
+	$(BIN)/python -m minillm.profile_step
 
 figures: setup
 	$(BIN)/python -m minillm.viz.figures

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from torch.profiler import record_function
+
 from ...memory import KVCounts, MemorySnapshot
 from ...request import FinishReason, Request, RequestError, check_int
 from ..base import Engine, StepOutput
@@ -147,7 +149,8 @@ class PagedEngine(Engine):
         reached, logits = self.runner.run(sched.scheduled)
         self._account(out, sched, (time.perf_counter() - t) * 1000.0)
         self.scheduler.commit_computed(sched)
-        tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(reached))
+        with record_function("minillm::sample"):
+            tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(reached))
         out.finished += self.scheduler.postprocess(tokens, beam_logprobs)
         return out
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .attention import AttentionMetadata, paged_attention
 
@@ -96,7 +97,8 @@ class PagedLlama:
             qk = self.rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
-            attn = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
+            with record_function("minillm::attention"):
+                attn = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn.reshape(-1, H * D), w.o)
             x = self.rms_norm(h, w.post_norm)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)

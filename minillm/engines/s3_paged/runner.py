@@ -7,6 +7,7 @@ first, then prefill chunks) and builds what attention needs: ``positions``, the 
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from ...models import LoadedModel
 from .attention import AttentionMetadata
@@ -93,9 +94,11 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """One forward; returns the sequences that reached their newest token and their logits."""
         ids, pos, meta, order, last = self.prepare(scheduled)
-        hidden = self.net.forward(ids, pos, meta, self.kv_caches, self.backend)
+        with record_function("minillm::forward"):     # scopes for `make profile` (profile_step.py)
+            hidden = self.net.forward(ids, pos, meta, self.kv_caches, self.backend)
         want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
             return [], hidden.new_empty((0, self.net.lm_head.shape[0]))
         idx = torch.tensor([last[k] for k in want], device=self.device)
-        return [order[k][0] for k in want], self.net.logits(hidden[idx])
+        with record_function("minillm::logits"):
+            return [order[k][0] for k in want], self.net.logits(hidden[idx])

@@ -1,0 +1,135 @@
+"""Where a decode step's time goes: ``python -m minillm.profile_step`` (``make profile``).
+
+The paged engine is filled with N sequences in steady decode (each ``--context`` tokens into its
+answer), then K decode steps are timed, and one more batch of steps runs under ``torch.profiler``
+to split the step into components: the linear layers, attention (everything inside
+``paged_attention``: writing the new K/V, reading the cache, the softmax), the rest of the forward
+(norms, RoPE, embedding), the vocabulary projection, sampling, and the engine's own Python
+(scheduling, block manager, postprocess). Beside each row: the same model's linear layers alone
+on N rows, the floor a decode step can approach on this machine. Speed is a ratio measured in one
+run: the machine is noisy; targets live here and in ``make bench``, never in timed tests.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engine python")
+
+
+def steady_engine(model, rows: int, context: int, backend: str = "torch"):
+    """A paged engine with ``rows`` sequences, each ``context`` tokens long and decoding."""
+    from .llm import LLM
+    from .request import Request, SamplingParams
+
+    blocks = rows * (-(-(context + 64) // 16)) + 8
+    llm = LLM(model, engine="paged", block_size=16, num_blocks=blocks, max_num_seqs=rows,
+              max_num_batched_tokens=max(2048, context), attention_backend=backend)
+    engine = llm.engine
+    prompt = list(range(100, 100 + context))       # distinct prompts: no prefix-cache sharing
+    for i in range(rows):
+        engine.add_request(Request([t + i for t in prompt], SamplingParams(
+            max_tokens=10_000, ignore_eos=True), request_id=f"p{i}"))
+    while any(s.num_computed_tokens < s.prompt_len for g in engine.groups.values() for s in g.seqs):
+        engine.step()
+    engine.step()                                  # the first decode step of every sequence
+    return llm
+
+
+def time_steps(engine, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def linear_floor_ms(net, rows: int, repeats: int = 5) -> float:
+    """Every linear layer of the model (and the vocabulary projection) on ``rows`` rows."""
+    x = torch.randn(rows, net.embed.shape[1], dtype=net.embed.dtype)
+    inter = net.layers[0].down.shape[1]
+    y = torch.randn(rows, inter, dtype=net.embed.dtype)
+    a = torch.randn(rows, net.layers[0].o.shape[1], dtype=net.embed.dtype)
+
+    def once():
+        for w in net.layers:
+            F.linear(x, w.qkv), F.linear(a, w.o), F.linear(x, w.gate_up), F.linear(y, w.down)
+        F.linear(x, net.lm_head)
+    once()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        once()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def classify(name: str) -> str | None:
+    if name.startswith("minillm::"):
+        return name.removeprefix("minillm::")
+    if name == "aten::linear":         # inclusive time: its addmm/mm are inside it
+        return "linear"
+    return None
+
+
+def breakdown(engine, steps: int) -> dict[str, float]:
+    """Milliseconds per step in each component, from a ``torch.profiler`` run of ``steps`` steps:
+    the engine's ``record_function`` scopes, with linear layers counted apart."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("minillm::step"):
+                engine.step()
+    totals = {k: 0.0 for k in ("step", *COMPONENTS, "forward")}
+    for evt in prof.key_averages():
+        key = classify(evt.key)
+        if key in totals:
+            totals[key] += evt.cpu_time_total / 1000 / steps
+    # linear layers run inside the forward but outside attention; the rest of the forward is
+    # what the forward took minus its parts; the engine's Python is the step minus everything
+    fwd = totals.pop("forward")
+    step = totals.pop("step")
+    totals["linear"] = max(0.0, totals["linear"] - totals["logits"])   # the vocab matmul apart
+    totals["other forward"] = max(0.0, fwd - totals["linear"] - totals["attention"])
+    totals["engine python"] = max(0.0, step - fwd - totals["logits"] - totals["sample"])
+    totals["step"] = step
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minillm.profile_step", description=__doc__)
+    p.add_argument("--rows", default="1,16,64,128,256", help="running sequences, comma-separated")
+    p.add_argument("--context", type=int, default=155, help="tokens per sequence (default 155)")
+    p.add_argument("--steps", type=int, default=5, help="timed decode steps per row count")
+    p.add_argument("--backend", default="torch", help="attention backend (torch or triton)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = p.parse_args(argv)
+    from .models import load_model
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    print(f"decode step, {args.context} tokens of context, {args.threads} thread(s), "
+          f"{args.backend} attention\n")
+    head = f"{'rows':>5} {'ms/step':>8} {'tok/s':>7} {'linear alone':>12} {'ratio':>6}  " + \
+        "  ".join(f"{c:>13}" for c in COMPONENTS)
+    print(head)
+    for rows in (int(r) for r in args.rows.split(",")):
+        llm = steady_engine(model, rows, args.context, args.backend)
+        ms = statistics.median(time_steps(llm.engine, args.steps))
+        parts = breakdown(llm.engine, max(2, args.steps // 2))
+        floor = linear_floor_ms(llm.engine.runner.net, rows)
+        shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%" for c in COMPONENTS)
+        print(f"{rows:>5} {ms:>8.1f} {rows * 1000 / ms:>7.0f} {floor:>10.1f}ms {ms / floor:>6.2f}  "
+              f"{shares}", flush=True)
+        del llm
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
