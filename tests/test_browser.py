@@ -1,7 +1,9 @@
 """Notebook 05 in a real browser: JupyterLab on localhost, headless Chromium driven by Selenium.
 
 Opens ``05_fragmentation_visualizer.ipynb``, runs all cells, screenshots the visualizer's figure,
-switches the allocator dropdown, and checks that the figure the kernel redraws is different.
+switches the allocator dropdown, and checks that the figure the kernel redraws is different. Then
+presses the time slider's ▶: the figure must advance while it plays and stop advancing within a
+second of ■ (no backlog of frames drawn after the user stopped).
 Needs Debian's ``chromium`` and ``chromium-driver`` (``apt-get install -y chromium
 chromium-driver``) and the ``selenium`` package; without them this test fails, it never skips.
 Screenshots land in ``$MINILLM_BROWSER_SHOTS`` (default: the test's tmp folder).
@@ -127,6 +129,47 @@ def figure_png(driver) -> bytes:
     return img.screenshot_as_png
 
 
+def figure_src(driver) -> str:
+    from selenium.webdriver.common.by import By
+    return driver.find_element(By.CSS_SELECTOR, ".minillm-viz-figure").get_attribute("src")
+
+
+def play_button(driver, icon: str):
+    """The button of the (first) visualizer's Play widget that shows font-awesome ``icon``
+    (ipywidgets 8: ``fa-play`` / ``fa-pause`` on the play button, ``fa-stop`` on the stop one)."""
+    from selenium.webdriver.common.by import By
+    return driver.find_element(By.XPATH, "(//*[contains(concat(' ', @class, ' '), ' minillm-viz-play ')]"
+                               f"//button[.//i[contains(concat(' ', @class, ' '), ' {icon} ')]])[1]")
+
+
+def check_play_and_stop(driver, shots: Path) -> None:
+    """▶ advances the figure; after ■ (and a second for the frame in progress) it never changes."""
+    from selenium.webdriver.common.by import By
+    play = play_button(driver, "fa-play")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", play)
+    before = figure_src(driver)
+    play.click()
+    wait_for("the figure to advance while playing", lambda: figure_src(driver) != before, 20, poll=0.2)
+    assert driver.find_elements(By.CSS_SELECTOR, ".minillm-viz-play i.fa-pause"), \
+        "▶ did not start playing"
+    driver.save_screenshot(str(shots / "05_playing.png"))
+    play_button(driver, "fa-stop").click()
+    time.sleep(1.0)                                  # the frame in progress may still land
+    stopped = figure_src(driver)
+    changes, deadline = [], time.time() + 3.0
+    for _ in range(60):                              # 3 s of polls, bounded in count and time
+        if time.time() > deadline:
+            break
+        if (now := figure_src(driver)) != stopped:
+            changes.append(now)
+            stopped = now
+        time.sleep(0.05)
+    driver.save_screenshot(str(shots / "05_stopped.png"))
+    assert not changes, f"the figure changed {len(changes)} times more than 1 s after ■"
+    assert driver.find_elements(By.CSS_SELECTOR, ".minillm-viz-play i.fa-play"), \
+        "■ did not stop playing"
+
+
 def test_visualizer_in_jupyterlab(lab, browser, tmp_path):
     from PIL import Image, ImageChops
     from selenium.webdriver.common.by import By
@@ -168,3 +211,5 @@ def test_visualizer_in_jupyterlab(lab, browser, tmp_path):
     assert a.size[0] > 400 and a.size[1] > 300, f"the figure is too small to be real: {a.size}"
     assert changed > 0.01 * a.size[0] * a.size[1], \
         f"switching the allocator to {target!r} changed only {changed} pixels of the figure"
+
+    check_play_and_stop(browser, shots)

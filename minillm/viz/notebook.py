@@ -6,12 +6,25 @@ per engine of a notebook's comparison). No drawing here: pictures are in ``plots
 """
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
+from pathlib import Path
 
 
 def quick_mode() -> bool:
     """``MINILLM_QUICK=1``: every notebook and figure runs tiny workloads (tests, CI)."""
     return os.environ.get("MINILLM_QUICK", "") not in ("", "0")
+
+
+def scratch_dir() -> Path:
+    """A per-user temporary folder for traces (never a path shared by every user of the machine)."""
+    try:
+        user = getpass.getuser()
+    except Exception:            # no login name (a container without a passwd entry)
+        user = str(getattr(os, "getuid", lambda: "user")())
+    (path := Path(tempfile.gettempdir()) / f"minillm-{user}").mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def static_export() -> bool:

@@ -1,10 +1,11 @@
 """``FragmentationVisualizer``, the ipywidget of notebook 05 (``05_fragmentation_visualizer``).
 
-Controls for a workload (``minillm/workload.py``) and the allocators (``allocators.py``), a time slider,
+Controls for a workload (``minillm/workload.py``) and the allocators (``minillm/allocators``), a time slider,
 a table of waste per allocator at the same budget, and loading of a trace recorded from a real
-engine run (``traces.py``). Every control re-runs all the allocators (``allocators.compare``).
+engine run (``traces.py``). Every control re-runs all the allocators (``replay.compare``).
 No drawing here: the picture is ``notebook_figures.allocator_figure``, rendered into PNG bytes
-shown by an ``ipywidgets.Image`` (see ``live_view.py``).
+shown by an ``ipywidgets.Image``; drawing frames without a backlog while ▶ plays is
+``frames.FramePlayer``'s job.
 """
 from __future__ import annotations
 
@@ -16,13 +17,22 @@ from ..memory import waste_fraction
 from ..allocators import ALLOCATORS
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
 from .replay import compare
+from .frames import PLAY_MIN_INTERVAL_MS, FramePlayer
+from .notebook import scratch_dir  # noqa: F401  (notebook 05 saves its trace there)
 from .notebook_figures import allocator_figure
-from .plots import new_figure, render_png
+from .plots import new_figure
 from .traces import Trace
 from ..workload import LENGTH_DISTS, WorkloadSpec
 
+TABLE_COLUMNS = [("allocator", "allocator"), ("waste_pct", "waste %"),
+                 ("internal_pct", "internal %"), ("reserved_pct", "reserved %"),
+                 ("external_pct_of_budget", "external % of pool"),
+                 ("peak_running", "peak concurrent requests"), ("steps", "steps to finish"),
+                 ("preemptions", "preemptions"), ("prefix_hit_tokens", "prefix-cache hit tokens"),
+                 ("rejected", "rejected")]
 
-class FragmentationVisualizer:
+
+class FragmentationVisualizer(FramePlayer):
     """Controls -> workload -> every allocator at one budget -> pictures and a table."""
 
     def __init__(self, spec: WorkloadSpec | None = None, config: SimConfig | None = None,
@@ -34,9 +44,9 @@ class FragmentationVisualizer:
         self.figsize, self.dpi = figsize, dpi
         self.trace: Trace | None = None
         self.results: dict[str, SimResult] = {}
-        self.t = 0
-        self._fig = None
+        self.t, self.trace_path = 0, ""      # trace_path: what load_trace read (the trace box)
         self._ui = None
+        self.init_frames()
         self.recompute()
 
     # --- model ---------------------------------------------------------------------------------
@@ -54,6 +64,7 @@ class FragmentationVisualizer:
         if self.trace is None:   # the cache only matters (and is only drawn) with shared prefixes
             self.config.enable_prefix_caching = self.spec.shared_prefix
         self.results = compare(self.requests(), self.sim_config())
+        self.forget_frames()
         self.t = min(self.t, self.num_steps - 1) if self.num_steps else 0
 
     @property
@@ -63,8 +74,9 @@ class FragmentationVisualizer:
     def load_trace(self, trace: Trace | str | Path) -> Trace:
         """Replay a real engine run (a ``Trace`` or the path of one saved with ``Trace.save``)."""
         if not isinstance(trace, Trace):
+            self.trace_path = str(trace)
             if self._ui is not None:
-                self._ui["trace_path"].value = str(trace)
+                self._ui["trace_path"].value = self.trace_path
             trace = Trace.load(trace)
         self.trace = trace
         self.config.block_size = self.trace.block_size
@@ -90,32 +102,21 @@ class FragmentationVisualizer:
         rows = [r.summary() for r in self.results.values()]
         if self.trace is not None and self.trace.engine_steps:
             es = self.trace.engine_steps
-            alloc = sum(s["allocated"] for s in es)
-            tok = sum(s["token"] for s in es)
-            rows.append({"allocator": f"engine run ({self.trace.source or 'recorded'})",
-                         "waste_pct": 100 * waste_fraction(tok, alloc),
-                         "internal_pct": float("nan"), "reserved_pct": float("nan"),
-                         "external_pct_of_budget": float("nan"),
-                         "peak_running": max(s["num_running"] for s in es), "steps": len(es),
-                         "preemptions": float("nan"), "prefix_hit_tokens": float("nan"),
-                         "rejected": float("nan")})
+            waste = waste_fraction(sum(s["token"] for s in es), sum(s["allocated"] for s in es))
+            rows.append({k: float("nan") for k, _ in TABLE_COLUMNS} | {
+                "allocator": f"engine run ({self.trace.source or 'recorded'})",
+                "waste_pct": 100 * waste, "peak_running": max(s["num_running"] for s in es),
+                "steps": len(es)})
         return rows
 
     def table_html(self) -> str:
-        cols = [("allocator", "allocator"), ("waste_pct", "waste %"),
-                ("internal_pct", "internal %"), ("reserved_pct", "reserved %"),
-                ("external_pct_of_budget", "external % of pool"),
-                ("peak_running", "peak concurrent requests"), ("steps", "steps to finish"),
-                ("preemptions", "preemptions"), ("prefix_hit_tokens", "prefix-cache hit tokens"),
-                ("rejected", "rejected")]
-
         def fmt(v):
             if isinstance(v, float):
                 return "–" if v != v else f"{v:.1f}"
             return ALLOCATOR_LABELS.get(v, v) if isinstance(v, str) else str(v)
-        head = "".join(f"<th style='padding:2px 8px'>{h}</th>" for _, h in cols)
+        head = "".join(f"<th style='padding:2px 8px'>{h}</th>" for _, h in TABLE_COLUMNS)
         body = "".join("<tr>" + "".join(f"<td style='padding:2px 8px;text-align:right'>{fmt(r[k])}</td>"
-                                        for k, _ in cols) + "</tr>" for r in self.table_rows())
+                                        for k, _ in TABLE_COLUMNS) + "</tr>" for r in self.table_rows())
         cfg = self.sim_config()
         src = (f"trace <code>{self.trace.source or 'recorded'}</code> ({len(self.trace.requests)} requests)"
                if self.trace is not None else f"synthetic workload ({self.spec.num_requests} requests)")
@@ -129,12 +130,8 @@ class FragmentationVisualizer:
         return allocator_figure(self.results, allocator or self.allocator,
                                 self.t if t is None else t, fig or new_figure(self.figsize))
 
-    def redraw(self) -> None:
-        if self._ui is None:
-            return
-        self._fig = self.figure(fig=self._fig)
-        self._ui["image"].value = render_png(self._fig, self.dpi)
-        self._ui["table"].value = self.table_html()
+    def draw_frame(self, results, allocator: str, t: int, fig: Figure) -> None:
+        allocator_figure(results, allocator, t, fig)
 
     # --- controls ------------------------------------------------------------------------------
     def widget(self):
@@ -142,56 +139,48 @@ class FragmentationVisualizer:
             return self._ui["box"]
         import ipywidgets as w
         s, c = self.spec, self.config
-        style = {"description_width": "130px"}
-        lay = w.Layout(width="380px")
+        kw = dict(style={"description_width": "130px"}, layout=w.Layout(width="380px"))
+        rel = dict(kw, continuous_update=False)
+
+        def slider(cls, description, value, lo, hi, **more):   # reports when released
+            return cls(value=value, min=lo, max=hi, description=description, **rel, **more)
         ui = {
             "allocator": w.Dropdown(options=[(ALLOCATOR_LABELS[a], a) for a in ALLOCATORS],
-                                    value=self.allocator, description="allocator", style=style, layout=lay),
+                                    value=self.allocator, description="allocator", **kw),
             "block_size": w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64], value=c.block_size,
-                                            description="block size", style=style, layout=lay,
-                                            continuous_update=False),
-            "budget": w.IntSlider(value=c.budget_slots, min=64, max=16384, step=16,
-                                  description="budget (slots)", style=style, layout=lay,
-                                  continuous_update=False),
-            "max_len": w.IntSlider(value=c.max_len or 512, min=64, max=4096, step=64,
-                                   description="max-length reserve", style=style, layout=lay,
-                                   continuous_update=False),
-            "num_requests": w.IntSlider(value=s.num_requests, min=1, max=128, description="requests",
-                                        style=style, layout=lay, continuous_update=False),
-            "rate": w.FloatSlider(value=s.arrival_rate or 0.0, min=0.0, max=4.0, step=0.1,
-                                  description="arrivals / step", style=style, layout=lay,
-                                  continuous_update=False),
-            "prompt": w.IntRangeSlider(value=s.prompt_len, min=1, max=1024, description="prompt len",
-                                       style=style, layout=lay, continuous_update=False),
-            "output": w.IntRangeSlider(value=s.output_len, min=1, max=1024, description="output len",
-                                       style=style, layout=lay, continuous_update=False),
+                                            description="block size", **rel),
+            "budget": slider(w.IntSlider, "budget (slots)", c.budget_slots, 64, 16384, step=16),
+            "max_len": slider(w.IntSlider, "max-length reserve", c.max_len or 512, 64, 4096, step=64),
+            "num_requests": slider(w.IntSlider, "requests", s.num_requests, 1, 128),
+            "rate": slider(w.FloatSlider, "arrivals / step", s.arrival_rate or 0.0, 0.0, 4.0, step=0.1),
+            "prompt": slider(w.IntRangeSlider, "prompt len", s.prompt_len, 1, 1024),
+            "output": slider(w.IntRangeSlider, "output len", s.output_len, 1, 1024),
             "dist": w.Dropdown(options=LENGTH_DISTS, value=s.length_dist, description="length dist",
-                               style=style, layout=lay),
+                               **kw),
             "prefix": w.Checkbox(value=s.shared_prefix, description="shared prefix (prefix caching)",
                                  indent=False),
-            "n": w.IntSlider(value=s.n, min=1, max=4, description="parallel samples n", style=style,
-                             layout=lay, continuous_update=False),
+            "n": slider(w.IntSlider, "parallel samples n", s.n, 1, 4),
             "time": w.IntSlider(value=self.t, min=0, max=max(0, self.num_steps - 1),
-                                description="time (step)", style=style,
-                                layout=w.Layout(width="760px"), continuous_update=True),
-            "trace_path": w.Text(value="", placeholder="path of a trace .json (Trace.save)",
-                                 description="trace", style=style, layout=lay),
+                                description="time (step)", style=kw["style"],
+                                layout=w.Layout(width="760px")),
+            "trace_path": w.Text(value=self.trace_path, description="trace", **kw,
+                                 placeholder="path of a trace .json (Trace.save)"),
             "load": w.Button(description="load trace", icon="upload"),
             "synthetic": w.Button(description="synthetic workload"),
-            "status": w.HTML(),
-            "table": w.HTML(),
-            "image": w.Image(format="png"),
+            "status": w.HTML(), "table": w.HTML(), "image": w.Image(format="png"),
         }
-        ui["play"] = w.Play(value=0, min=0, max=ui["time"].max, step=1, interval=150)
+        ui["play"] = w.Play(value=self.t, min=0, max=ui["time"].max, interval=PLAY_MIN_INTERVAL_MS)
         w.jslink((ui["play"], "value"), (ui["time"], "value"))
+        for key in ("play", "time", "allocator"):
+            ui[key].add_class(f"minillm-viz-{key}")
         ui["image"].add_class("minillm-viz-figure")
-        ui["allocator"].add_class("minillm-viz-allocator")
         self._ui = ui
         for key in ("block_size", "budget", "max_len", "num_requests", "rate", "prompt", "output",
                     "dist", "prefix", "n"):
             ui[key].observe(self._on_workload, names="value")
         ui["allocator"].observe(self._on_allocator, names="value")
         ui["time"].observe(self._on_time, names="value")
+        ui["play"].observe(self._on_playing, names="playing")
         ui["load"].on_click(self._on_load)
         ui["synthetic"].on_click(lambda _: self.use_synthetic())
         left = w.VBox([ui[k] for k in ("allocator", "block_size", "budget", "max_len", "num_requests")])
@@ -214,10 +203,8 @@ class FragmentationVisualizer:
         for key, value in (("block_size", self.config.block_size),
                            ("budget", self.config.budget_slots), ("max_len", self.config.max_len)):
             ui[key].unobserve(self._on_workload, names="value")
-            if key == "block_size":
-                ui[key].value = value
-            else:
-                ui[key].value = max(ui[key].min, min(ui[key].max, value or ui[key].min))
+            ui[key].value = (value if key == "block_size"
+                             else max(ui[key].min, min(ui[key].max, value or ui[key].min)))
             ui[key].observe(self._on_workload, names="value")
         self._update_time_range()
         ui["status"].value = ("replaying a recorded engine trace: workload controls are fixed; "
@@ -229,39 +216,34 @@ class FragmentationVisualizer:
         ui = self._ui
         top = max(0, self.num_steps - 1)
         ui["time"].unobserve(self._on_time, names="value")
-        ui["time"].max = top
-        ui["play"].max = top
+        ui["time"].max = ui["play"].max = top
         ui["time"].value = min(self.t, top)
         ui["time"].observe(self._on_time, names="value")
 
     def _on_workload(self, _change=None) -> None:
         ui = self._ui
         s, c = self.spec, self.config
-        c.block_size = int(ui["block_size"].value)
-        c.budget_slots = int(ui["budget"].value)
-        c.max_len = int(ui["max_len"].value)
-        s.num_requests = int(ui["num_requests"].value)
+        c.block_size, c.budget_slots, c.max_len = (int(ui[k].value)
+                                                   for k in ("block_size", "budget", "max_len"))
+        s.num_requests, s.n = int(ui["num_requests"].value), int(ui["n"].value)
         s.arrival_rate = float(ui["rate"].value) or None
-        s.prompt_len = tuple(ui["prompt"].value)
-        s.output_len = tuple(ui["output"].value)
-        s.length_dist = ui["dist"].value
-        s.shared_prefix = bool(ui["prefix"].value)
-        s.n = int(ui["n"].value)
+        s.prompt_len, s.output_len = tuple(ui["prompt"].value), tuple(ui["output"].value)
+        s.length_dist, s.shared_prefix = ui["dist"].value, bool(ui["prefix"].value)
         try:
             self.recompute()
         except Exception as e:     # a bad combination must not kill the widget
             ui["status"].value = f"<span style='color:#c00'>{type(e).__name__}: {e}</span>"
             return
         self._update_time_range()
-        self.redraw()
+        self.request_redraw()
 
     def _on_allocator(self, change) -> None:
         self.allocator = change["new"]
-        self.redraw()
+        self.request_redraw()
 
     def _on_time(self, change) -> None:
         self.t = int(change["new"])
-        self.redraw()
+        self.request_redraw()
 
     def _on_load(self, _button=None) -> None:
         path = self._ui["trace_path"].value.strip()
