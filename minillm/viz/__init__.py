@@ -5,7 +5,8 @@ Drawing (pure matplotlib, one palette and one memory legend, both in ``plots.py`
   notebook_figures.py  each notebook's key figure, composed from plots.py (00-05)
   batch_figures.py     the static 4 x 8 batch frame by frame, the batch-size sweep (00-02)
   block_figures.py     block tables with their words, copy-on-write step by step, beams'
-                       reference counts, chunked prefill, priorities, preemptions (03)
+                       reference counts, the prefix cache (03)
+  schedule_figures.py  chunked prefill riding with decodes, priorities, preemptions (03)
 Widgets (ipywidgets classes that call the drawing functions):
   live_view.py         LiveMemoryView: KV memory while an engine runs, then a slider (00-05)
   visualizer.py        FragmentationVisualizer: workload controls, every allocator (05)
