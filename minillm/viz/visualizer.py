@@ -9,6 +9,7 @@ shown by an ``ipywidgets.Image``; drawing frames without a backlog while ▶ pla
 """
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -18,9 +19,9 @@ from ..allocators import ALLOCATORS
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
 from .replay import compare
 from .frames import PLAY_MIN_INTERVAL_MS, FramePlayer
-from .notebook import scratch_dir  # noqa: F401  (notebook 05 saves its trace there)
+from .notebook import scratch_dir, static_export  # noqa: F401  (scratch_dir: notebook 05)
 from .notebook_figures import allocator_figure
-from .plots import new_figure
+from .plots import new_figure, render_png
 from .traces import Trace
 from ..workload import LENGTH_DISTS, WorkloadSpec
 
@@ -193,7 +194,11 @@ class FragmentationVisualizer(FramePlayer):
         return ui["box"]
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget()._repr_mimebundle_(**kwargs)
+        bundle = self.widget()._repr_mimebundle_(**kwargs)
+        if static_export():       # an exported copy shows the picture (widgets need a kernel)
+            data = bundle[0] if isinstance(bundle, tuple) else bundle
+            data["image/png"] = base64.b64encode(render_png(self.figure(), self.dpi)).decode()
+        return bundle
 
     def _sync_controls(self) -> None:
         ui = self._ui
