@@ -44,6 +44,9 @@ class TorchAttention:
 
     name = "torch"
 
+    def __init__(self):
+        self._decode_memo = None     # (block_tables, context_lens, slots, bias) of the last step
+
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -64,14 +67,37 @@ class TorchAttention:
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]; sequence b attends to its first context_lens[b] tokens."""
-        length = int(context_lens.max())
-        k = self.gather(k_cache, block_tables, length).transpose(1, 2)   # [B, kvh, L, d]
-        v = self.gather(v_cache, block_tables, length).transpose(1, 2)
-        valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
-        # enable_gqa: each KV head serves its group of query heads without being copied
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None],
-                                             scale=scale, enable_gqa=True)
-        return out[:, :, 0]
+        slots, bias = self.decode_index(block_tables, context_lens, k_cache.shape[1], q.dtype)
+        B, H, D = q.shape
+        kvh = k_cache.shape[2]
+        # One index_select per pool reads every sequence's K/V rows in order: [B, L, kvh, D].
+        k = k_cache.view(-1, kvh, D).index_select(0, slots.view(-1)).view(B, -1, kvh, D)
+        v = v_cache.view(-1, kvh, D).index_select(0, slots.view(-1)).view(B, -1, kvh, D)
+        # Grouped-query heads without copying K/V: the g query heads that share a KV head become
+        # g query rows of that head ([B, kvh, g, D] against [B, kvh, L, D]).
+        out = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=bias, scale=scale)
+        return out.reshape(B, H, D)
+
+    def decode_index(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     block_size: int, dtype: torch.dtype = torch.float32
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat slot of every context position of every sequence [B, L], and the additive
+        mask hiding positions past each sequence's length [B, 1, 1, L]. Every layer of a step
+        gets the same block tables, so this is built once per step: it is kept with the tensors
+        it was built from (held, so a later step's tensors can never be mistaken for them)."""
+        memo = self._decode_memo
+        if memo is not None and memo[0] is block_tables and memo[1] is context_lens:
+            return memo[2], memo[3]
+        length = int(context_lens.max()) if context_lens.numel() else 0
+        pos = torch.arange(length, device=block_tables.device)
+        table = block_tables.long().clamp(min=0)
+        slots = table[:, pos // block_size] * block_size + pos % block_size
+        bias = torch.zeros(len(context_lens), 1, 1, length, device=block_tables.device,
+                           dtype=dtype)
+        bias.masked_fill_(pos[None, None, None, :] >= context_lens[:, None, None, None], float("-inf"))
+        self._decode_memo = (block_tables, context_lens, slots, bias)
+        return slots, bias
 
     def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
