@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full profile figures html kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full bench-vllm profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -54,6 +54,10 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python -m minillm bench --quick
+
+# vLLM's CPU build as a peer, in its own .venv-vllm (made once, ~3 min; never in .venv).
+bench-vllm: setup
+	$(BIN)/python -m minillm bench --quick --engines naive,paged,vllm-cpu --experiments none
 
 bench-full: setup
 	$(BIN)/python -m minillm bench

