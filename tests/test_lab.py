@@ -23,7 +23,7 @@ WRONG = {
     "03": ("return last.ref_count > 1 or last.hash is not None", "return False"),   # no CoW
     "03-scheduler": ("            self.bm.free(seq)\n            seq.pending_logprobs = None",
                      "            seq.pending_logprobs = None"),   # preempted, blocks kept
-    "04": ("attn_mask=valid[:, None, None],", "attn_mask=None,"),  # reads past context_lens
+    "04": ("attn_mask=bias, scale=scale)", "attn_mask=None, scale=scale)"),  # past context_lens
 }
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone
