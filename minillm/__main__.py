@@ -39,8 +39,8 @@ OPTION_HELP = {
     "max_num_batched_tokens": "paged: token budget per step",
     "enable_prefix_caching": "paged: reuse KV blocks of shared prompt prefixes",
     "policy": "paged: scheduling order (fcfs, priority)",
-    "attention_backend": "paged: attention backend, torch or triton (default: triton on CUDA, "
-                         "torch on CPU)",
+    "attention_backend": "paged: attention backend, torch, cpp or triton (default: triton on CUDA, "
+                         "cpp on CPU where a C++ compiler builds it, else torch)",
 }
 
 

@@ -71,6 +71,19 @@ def run_engine(model, name: str, items, options: dict, progress: bool = True):
     return llm.run(to_requests(llm, items), progress=progress)
 
 
+def single_stream(model, name: str, items, options: dict, k: int = 4) -> dict:
+    """The first ``k`` requests one at a time (as vLLM's row does): output tok/s with no batch to
+    hide per-step costs behind, and time to first token."""
+    from .llm import LLM
+    from .workload import to_requests
+
+    llm = LLM(model, engine=name, **options_for(name, options))
+    outs = [llm.run(to_requests(llm, [it]), progress=False).outputs[0] for it in items[:k]]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"single_stream_tok_s": tokens / sum(o.latency_s for o in outs),
+            "single_stream_ttft_s": [o.ttft_s for o in outs]}
+
+
 # --- the roofline ---------------------------------------------------------------------------------
 def measure_matmul_gflops(n: int = 1024, repeats: int = 10) -> float:
     """This machine's fp32 matmul peak, measured: the ceiling any engine could reach."""
@@ -106,7 +119,7 @@ def warmup_items(items):
 
 # --- the main table ---------------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
-    head = ["engine", "tok/s", "vs naive", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95",
+    head = ["engine", "tok/s", "vs naive", "1-stream tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95",
             "lat p50", "lat p95", "peak KV", "waste %", "peak conc", "roofline"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -117,6 +130,7 @@ def format_table(rows: list[dict]) -> str:
         waste = f"{r['kv_waste_pct']:.1f}" if r["peak_kv_allocated_bytes"] else "n/a"
         lines.append("| " + " | ".join([
             r["engine"], f"{r['output_tok_s']:.1f}", f"{r.get('speedup_vs_naive', float('nan')):.1f}x",
+            t(r.get("single_stream_tok_s") or float("nan"), "{:.1f}"),
             t(r["ttft_p50_s"], "{:.2f}s"), t(r["ttft_p95_s"], "{:.2f}s"),
             t(r["tpot_p50_s"], "{:.0f}ms", 1000), t(r["tpot_p95_s"], "{:.0f}ms", 1000),
             t(r["latency_p50_s"], "{:.1f}s"), t(r["latency_p95_s"], "{:.1f}s"),
@@ -157,6 +171,9 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
         res = run_engine(model, name, work, opts)
         row = res.metrics.as_dict()
         row["engine"] = label
+        if label == "paged":      # the other engines' rows are throughput rows; vLLM has its own
+            row["extra"] |= single_stream(model, name, items, opts)
+        row["single_stream_tok_s"] = row["extra"].get("single_stream_tok_s")
         row["roofline"] = roofline_fraction(res.metrics, per_tok, peak)
         row["matmul_peak_gflops"] = peak
         rows.append(row)
@@ -171,6 +188,8 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
     base = next((r["output_tok_s"] for r in rows if r["engine"] == "naive"), None)
     for r in rows:
         r["speedup_vs_naive"] = r["output_tok_s"] / base if base else float("nan")
+    if base:    # naive serves one request at a time: its throughput is its single stream
+        next(r for r in rows if r["engine"] == "naive")["single_stream_tok_s"] = base
     return rows
 
 

@@ -13,9 +13,10 @@ reports the achieved bandwidth (bytes of K/V, q and out that must move, divided 
 fraction of what a plain large ``copy_`` reaches on this device: close to 1 means the kernel
 streams the cache about as fast as the hardware can.
 
-Without a GPU the timings would be meaningless (the kernels run in Triton's numpy interpreter),
-so it instead runs a small correctness sweep against ``TorchAttention`` and exits non-zero on
-any failure.
+Without a GPU Triton's timings would be meaningless (its kernels run in a numpy interpreter), so
+on the CPU it times the decode attention that does run there -- step 3's torch reference (gather,
+then SDPA), the C++ kernel that reads blocks in place, SDPA on contiguous K/V -- in SmolLM2's
+shape, then runs a small correctness sweep of the Triton kernels and exits non-zero on any failure.
 """
 from __future__ import annotations
 
@@ -236,6 +237,43 @@ def bench_case(batch: int, ctx: int, bs: int, copy_bw: float, device: str = "cud
     return rows
 
 
+def cpu_decode_rows(batches=(1, 16, 64, 128, 256), contexts=(155, 1024), repeats: int = 20
+                    ) -> list[dict]:
+    """On the CPU, one decode layer of SmolLM2's shape (9 heads, 3 KV heads, head_dim 64, fp32):
+    step 3's torch reference (gather the blocks into a padded copy, then SDPA), the C++ kernel
+    that reads the blocks in place, and SDPA on K/V already contiguous (no paging at all)."""
+    import time
+
+    from .engines.s3_paged.cpu_attention import CppAttention
+
+    heads, kvh, d, bs = 9, 3, 64, 16
+    ref, cpp = TorchAttention(), CppAttention()
+    rows = []
+    for ctx in contexts:
+        for batch in batches:
+            torch.manual_seed(0)
+            p = make_paged([ctx] * batch, bs, kvh, d, torch.float32, "cpu")
+            q = torch.randn(batch, heads, d)
+            k, v = contiguous_kv(p, ctx)
+            nbytes = 2 * batch * ctx * kvh * d * 4
+            impls = [("torch-paged", lambda: ref.decode(q, p.k_cache, p.v_cache, p.tables,
+                                                          p.context_lens, d ** -0.5)),
+                     ("sdpa-contig", lambda: F.scaled_dot_product_attention(
+                         q[:, :, None], k, v, scale=d ** -0.5, enable_gqa=True))]
+            if cpp.kernel is not None:
+                impls.insert(1, ("cpp-paged", lambda: cpp.decode(q, p.k_cache, p.v_cache, p.tables,
+                                                                  p.context_lens, d ** -0.5)))
+            for impl, fn in impls:
+                fn()
+                t = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                us = (time.perf_counter() - t) / repeats * 1e6
+                rows.append(dict(op="decode", impl=impl, batch=batch, ctx=ctx, block_size=bs,
+                                 us=us, gbps=nbytes / (us * 1e-6) / 1e9, frac_copy=None))
+    return rows
+
+
 def print_rows(rows: list[dict]) -> None:
     fmt = "{:<9} {:<15} {:>5} {:>6} {:>3} {:>11} {:>8} {:>6} {:>7}"
     print(fmt.format("op", "impl", "batch", "ctx", "bs", "us", "GB/s", "%copy", "TFLOP/s"))
@@ -243,7 +281,7 @@ def print_rows(rows: list[dict]) -> None:
         f = (lambda x, spec: "oom" if x is None else format(x, spec))
         print(fmt.format(r["op"], r["impl"], r["batch"], r["ctx"], r["block_size"],
                          f(r["us"], ".1f"), f(r["gbps"], ".0f"),
-                         f(r["frac_copy"] and 100 * r["frac_copy"], ".0f"),
+                         "" if r["frac_copy"] is None else format(100 * r["frac_copy"], ".0f"),
                          f(r["tflops"], ".1f") if "tflops" in r else ""), flush=True)
 
 
@@ -253,18 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller sweep")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
-    if not triton_available():
-        print("triton is not installed: nothing to run")
-        return 1
     if not torch.cuda.is_available():
-        print("Timing needs a CUDA GPU (here the kernels would run in Triton's CPU interpreter).\n"
-              "Running a correctness sweep against TorchAttention through the interpreter.\n")
-        ok = correctness_sweep(args.quick, "cpu")
-        print("\nall cases pass" if ok else "\nSOME CASES FAILED")
+        print("On the CPU: decode attention per layer, SmolLM2's shape, fp32, one thread\n")
+        torch.set_num_threads(1)
+        rows = cpu_decode_rows(contexts=(155,) if args.quick else (155, 1024))
+        print_rows(rows)
+        ok = True
+        if triton_available():
+            print("\nTriton timings need a CUDA GPU (here its kernels would run in the interpreter);"
+                  "\nrunning a correctness sweep against TorchAttention through the interpreter.\n")
+            ok = correctness_sweep(args.quick, "cpu")
+            print("\nall cases pass" if ok else "\nSOME CASES FAILED")
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"device": "cpu", "correct": ok}, fh, indent=1)
+                json.dump({"device": "cpu", "correct": ok, "rows": rows}, fh, indent=1)
         return 0 if ok else 1
+    if not triton_available():
+        print("triton is not installed: nothing to run on the GPU")
+        return 1
 
     print(f"device: {torch.cuda.get_device_name()}\ncorrectness (fp32, through the kernels):")
     if not correctness_sweep(True, "cuda"):

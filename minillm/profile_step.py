@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engine python")
 
 
-def steady_engine(model, rows: int, context: int, backend: str = "torch"):
+def steady_engine(model, rows: int, context: int, backend: str | None = None):
     """A paged engine with ``rows`` sequences, each ``context`` tokens long and decoding."""
     from .llm import LLM
     from .request import Request, SamplingParams
@@ -106,28 +106,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,16,64,128,256", help="running sequences, comma-separated")
     p.add_argument("--context", type=int, default=155, help="tokens per sequence (default 155)")
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per row count")
-    p.add_argument("--backend", default="torch", help="attention backend (torch or triton)")
+    p.add_argument("--backend", default=None,
+                   help="attention backend(s), comma-separated: torch, cpp, triton (default: the "
+                        "engine's default); several backends alternate row by row in one run")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
+    from .engines import get_attention_backend
     from .models import load_model
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
-    print(f"decode step, {args.context} tokens of context, {args.threads} thread(s), "
-          f"{args.backend} attention\n")
-    head = f"{'rows':>5} {'ms/step':>8} {'tok/s':>7} {'linear alone':>12} {'ratio':>6}  " + \
-        "  ".join(f"{c:>13}" for c in COMPONENTS)
+    backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
+    print(f"decode step, {args.context} tokens of context, {args.threads} thread(s)\n")
+    head = f"{'rows':>5} {'attention':>9} {'ms/step':>8} {'tok/s':>7} {'linear alone':>12} " \
+        f"{'ratio':>6}  " + "  ".join(f"{c:>13}" for c in COMPONENTS)
     print(head)
     for rows in (int(r) for r in args.rows.split(",")):
-        llm = steady_engine(model, rows, args.context, args.backend)
-        ms = statistics.median(time_steps(llm.engine, args.steps))
-        parts = breakdown(llm.engine, max(2, args.steps // 2))
-        floor = linear_floor_ms(llm.engine.runner.net, rows)
-        shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%" for c in COMPONENTS)
-        print(f"{rows:>5} {ms:>8.1f} {rows * 1000 / ms:>7.0f} {floor:>10.1f}ms {ms / floor:>6.2f}  "
-              f"{shares}", flush=True)
-        del llm
+        for backend in backends:
+            llm = steady_engine(model, rows, args.context, backend)
+            ms = statistics.median(time_steps(llm.engine, args.steps))
+            parts = breakdown(llm.engine, max(2, args.steps // 2))
+            floor = linear_floor_ms(llm.engine.runner.net, rows)
+            shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%" for c in COMPONENTS)
+            print(f"{rows:>5} {llm.engine.backend.name:>9} {ms:>8.1f} {rows * 1000 / ms:>7.0f} "
+                  f"{floor:>10.1f}ms {ms / floor:>6.2f}  {shares}", flush=True)
+            del llm
     return 0
 
 

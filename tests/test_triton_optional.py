@@ -33,7 +33,7 @@ from minillm import LLM, SamplingParams
 llm = LLM(model="tiny-llama", engine="paged", device="cpu")
 out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
 assert [len(o.token_ids) for o in out] == [4, 4] and not any(o.error for o in out), out
-assert type(llm.engine.backend).__name__ == "TorchAttention", llm.engine.backend
+assert llm.engine.backend.name in ("torch", "cpp"), llm.engine.backend   # never triton on CPU
 print("ok", len(names), "modules")
 """
 

@@ -75,19 +75,27 @@ def create_engine(name: str, model, **options) -> Engine:
 
 
 def get_attention_backend(name: str | None, device):
-    """``torch`` (step 3's reference) or ``triton`` (step 4); by default triton on CUDA when it is
-    installed, torch otherwise. Asking for triton where it cannot run raises
-    ``TritonUnavailableError`` saying what to install."""
+    """``torch`` (step 3's reference), ``cpp`` (step 3's decode as a C++ kernel for the CPU) or
+    ``triton`` (step 4). By default: triton on CUDA when it is installed (else torch); on the CPU
+    cpp when it builds (a C++ compiler is there), else torch. Asking for triton where it cannot run
+    raises ``TritonUnavailableError`` saying what to install."""
     if name is None:
         from .s4_triton import triton_available
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if triton_available() else "torch"
+        else:
+            from .s3_paged.cpu_attention import cpp_available
+            name = "cpp" if cpp_available() else "torch"
     if name == "torch":
         from .s3_paged.attention import TorchAttention
         return TorchAttention()
+    if name == "cpp":
+        from .s3_paged.cpu_attention import CppAttention
+        return CppAttention()
     if name == "triton":
         from .s4_triton import TritonAttention  # sets TRITON_INTERPRET=1 on CPU first
         return TritonAttention()
-    raise ValueError(f"unknown attention_backend {name!r}: choose 'torch' or 'triton'")
+    raise ValueError(f"unknown attention_backend {name!r}: choose 'torch', 'cpp' or 'triton'")
 
 
 def all_options() -> dict[str, inspect.Parameter]:

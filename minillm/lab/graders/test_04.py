@@ -62,7 +62,8 @@ def test_decode_through_block_tables_equals_plain_attention(lens, block_size, kv
 
 def test_paged_engine_with_this_attention_equals_hf(tiny):
     prompts = random_prompts(4, seed=51, lo=3, hi=30)
-    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=64)
+    # the torch backend: the one whose decode you wrote (the CPU default is the C++ kernel)
+    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=64, attention_backend="torch")
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 8), label=f"request {i}")

@@ -1,0 +1,81 @@
+"""The C++ paged decode kernel (step 3's decode for the CPU) against the torch reference and
+textbook attention, and the paged engine's tokens with it. Same traps as the Triton tests
+(kvtools.PagedKV): shuffled blocks from a larger pool, NaN wherever no sequence lives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtools import SCALE, PagedKV, decode_lens, dense_attention, rel_err
+from minillm import LLM
+from minillm.engines import get_attention_backend
+from minillm.engines.s3_paged import cpu_attention
+from minillm.engines.s3_paged.attention import TorchAttention
+from minillm.engines.s3_paged.cpu_attention import CppAttention, cpp_available
+
+pytestmark = pytest.mark.skipif(not cpp_available(), reason="the C++ kernel cannot be built here: "
+                                f"{cpu_attention.kernel_error()}")
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_matches_reference_and_dense(block_size, heads, kv_heads, dtype):
+    torch.manual_seed(block_size + heads)
+    kv = PagedKV(decode_lens(block_size), block_size, kv_heads)
+    q = torch.randn(len(kv.lens), heads, kv.k_ref.shape[-1])
+    ref = TorchAttention().decode(q, kv.k_ref, kv.v_ref, kv.tables, kv.context_lens, SCALE)
+    out = CppAttention().decode(q.to(dtype), kv.k_nan.to(dtype), kv.v_nan.to(dtype), kv.tables,
+                                kv.context_lens, SCALE)
+    dense = torch.cat([dense_attention(q[b:b + 1], kv.k_dense[b], kv.v_dense[b], [n - 1])
+                       for b, n in enumerate(kv.lens)])
+    assert out.dtype == dtype
+    assert rel_err(out, ref) <= 1e-5 and rel_err(out, dense) <= 1e-5
+    if dtype == torch.float64:
+        assert rel_err(out, dense) <= 1e-12
+
+
+def test_bad_tables_are_errors_not_reads_outside_the_pool():
+    kv = PagedKV([5, 9], 4, 2)
+    q = torch.randn(2, 4, kv.k_ref.shape[-1])
+    kernel = CppAttention().kernel
+    bad = kv.tables.clone()
+    bad[1, 0] = kv.k_ref.shape[0] + 7
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        kernel.paged_decode(q, kv.k_ref, kv.v_ref, bad, kv.context_lens, SCALE)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        kernel.paged_decode(q, kv.k_ref, kv.v_ref, kv.tables, kv.context_lens * 10, SCALE)
+    with pytest.raises(RuntimeError, match="do not match"):
+        kernel.paged_decode(q.double(), kv.k_ref, kv.v_ref, kv.tables, kv.context_lens, SCALE)
+
+
+def test_engine_tokens_equal_torch_backend(tiny):
+    """Greedy and seeded sampling, n > 1 and beams, a tight pool (preemption) and prefix caching:
+    the same tokens as the torch reference; the pool is back to full after."""
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 33, 26)]
+    params = [{"max_tokens": 24, "ignore_eos": True},
+              {"max_tokens": 20, "temperature": 0.8, "seed": 3, "ignore_eos": True},
+              {"max_tokens": 12, "n": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True},
+              {"max_tokens": 10, "beam_width": 2, "ignore_eos": True}]
+    outs = {}
+    for backend in ("torch", "cpp"):
+        llm = LLM(tiny, engine="paged", block_size=4, num_blocks=40, max_num_seqs=4,
+                  enable_prefix_caching=True, attention_backend=backend)
+        assert llm.engine.backend.name == backend
+        outs[backend] = [[o.samples for o in llm.generate(prompts, p)] for p in params]
+        assert llm.engine.block_manager.num_free_blocks == 40
+        assert llm.engine.num_preemptions > 0
+    assert outs["cpp"] == outs["torch"]
+
+
+def test_default_backend_on_cpu_and_fallback(monkeypatch):
+    assert get_attention_backend(None, torch.device("cpu")).name == "cpp"
+    # where the kernel cannot be built, the default is the torch reference and "cpp" still works
+    monkeypatch.setattr(cpu_attention, "_state", {"error": "no compiler (test)"})
+    assert get_attention_backend(None, torch.device("cpu")).name == "torch"
+    backend = get_attention_backend("cpp", torch.device("cpu"))
+    assert backend.kernel is None
+    kv = PagedKV([3, 7], 4, 1)
+    q = torch.randn(2, 2, kv.k_ref.shape[-1])
+    ref = TorchAttention().decode(q, kv.k_ref, kv.v_ref, kv.tables, kv.context_lens, SCALE)
+    assert torch.equal(backend.decode(q, kv.k_ref, kv.v_ref, kv.tables, kv.context_lens, SCALE), ref)
