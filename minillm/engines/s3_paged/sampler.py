@@ -19,7 +19,10 @@ BeamLogprobs = list[tuple[Sequence, torch.Tensor]]
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]]) -> tuple[Tokens, BeamLogprobs]:
         plain = [(i, s) for i, s in rows if s.request.params.beam_width == 1]
-        tokens = sample_tokens(logits[[i for i, _ in plain]], [s.request.params for _, s in plain],
+        idx = [i for i, _ in plain]
+        # the usual step samples every row once, in order: no [rows, vocab] copy for that
+        mine = logits if idx == list(range(logits.shape[0])) else logits[idx]
+        tokens = sample_tokens(mine, [s.request.params for _, s in plain],
                                [len(s.output_token_ids) for _, s in plain],
                                [s.sample_id for _, s in plain]) if plain else []
         beams = [(s, torch.log_softmax(logits[i].float(), dim=-1))
