@@ -133,6 +133,7 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     except QueueFull as e:
         raise APIError(str(e), 429, code="queue_full", type="rate_limit_error") from None
     answer = Answer(llm, req, stops, chat, app.state.model_name)
+    answer.return_token_ids = body.return_token_ids
     if body.stream:
         return StreamingResponse(answer.stream(events, loop, body.include_usage),
                                  media_type="text/event-stream")
@@ -166,6 +167,7 @@ class Answer:
 
     def __init__(self, llm: LLM, req: Request, stops: list[str], chat: bool, model: str):
         self.req, self.chat, self.model = req, chat, model
+        self.return_token_ids = False
         self.max_model_len = llm.model.max_model_len
         self.detoks = [IncrementalDetokenizer(llm.tokenizer, stops) for _ in range(req.params.n)]
         self.finish: list[str | None] = [None] * req.params.n
@@ -209,6 +211,9 @@ class Answer:
         if final:
             choices = [{"index": i, "text": d.text, "finish_reason": self.finish[i]}
                        for i, d in enumerate(self.detoks)]
+            if self.return_token_ids:
+                for c, d in zip(choices, self.detoks):
+                    c["token_ids"] = d.token_ids
         return completion_body(self.req.request_id, self.model, self.chat, choices,
                                self.usage() if final else None, chunk=not final)
 

@@ -112,6 +112,10 @@ class EngineLoop:
         ``abort``. Aborting a request that already finished does nothing."""
         self._inbox.put(("abort", request_id))
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the loop thread between two steps (to read the engine safely)."""
+        self._inbox.put(("call", fn))
+
     def num_waiting(self) -> int:
         return self._pending + self.engine.num_waiting()
 
@@ -161,6 +165,11 @@ class EngineLoop:
             self.handles[arg.request.request_id] = arg
         elif op == "abort":
             self.engine.abort(arg)   # False if it already finished: nothing to do
+        elif op == "call":
+            try:
+                arg()
+            except Exception:  # noqa: BLE001 - a dashboard bug must not stop serving
+                log.exception("call_soon callback failed")
 
     def _step(self) -> None:
         try:

@@ -56,6 +56,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                      # vLLM's extra: benchmarks fix output lengths
+    return_token_ids: bool = False                # vLLM's extra: each choice's token ids too
     # fields that would change the answer, refused when set (see ``check_unsupported``)
     logprobs: Union[bool, int, None] = None
     echo: bool = False
@@ -133,6 +134,8 @@ def completion_body(rid: str, model: str, chat: bool, choices: list[dict],
     out = []
     for c in choices:
         item = {"index": c["index"], "finish_reason": c.get("finish_reason"), "logprobs": None}
+        if "token_ids" in c:
+            item["token_ids"] = c["token_ids"]
         if not chat:
             item["text"] = c["text"]
         elif chunk:
