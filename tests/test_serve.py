@@ -265,3 +265,25 @@ def test_metrics_parse_with_vllm_names(server):
     assert [m["id"] for m in models["data"]] == ["tiny-llama"]
     assert httpx.get(f"{url}/health", timeout=30).text == "ok"
     json.dumps(models)
+
+
+def test_load_generator_against_the_server(server, tmp_path):
+    """``bench --serve`` end to end (CLI parsing included): Poisson arrivals, every request
+    completes, the token counts are the server's, the report carries vllm bench serve's keys."""
+    from minillm.__main__ import main
+
+    url, app = server
+    before = sum(app.state.loop.metrics.finished.values())
+    out = tmp_path / "serve_bench.json"
+    rc = main(["bench", "--serve", url, "--model", "tiny-llama", "--rate", "40", "--requests",
+               "12", "--concurrency", "6", "--max-tokens", "16", "--ignore-eos", "--json",
+               str(out)])
+    assert rc == 0
+    m = json.loads(out.read_text())
+    assert m["completed"] == 12 and m["failed"] == 0
+    assert m["total_output_tokens"] == 12 * 16
+    assert sum(app.state.loop.metrics.finished.values()) == before + 12
+    for key in ("request_throughput", "output_throughput", "p50_ttft_ms", "p95_ttft_ms",
+                "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "median_itl_ms"):
+        assert m[key] > 0, key
+    assert m["p50_ttft_ms"] <= m["p95_ttft_ms"] <= m["p99_ttft_ms"]
