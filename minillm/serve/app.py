@@ -75,7 +75,10 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
                   "vllm:num_requests_waiting": loop.num_waiting(),
                   "vllm:kv_cache_usage_perc": (kv.allocated / kv.total) if kv.total else 0.0}
         counters = {"vllm:num_preemptions_total": eng.num_preemptions,
-                    "vllm:prefix_cache_hits_total": eng.prefix_hit_tokens}
+                    "vllm:prefix_cache_hits_total": eng.prefix_hit_tokens,
+                    "minillm:engine_steps_total": loop.step_count,
+                    "minillm:engine_step_seconds_total": loop.engine_step_s,
+                    "minillm:loop_overhead_seconds_total": loop.overhead_s}
         return PlainTextResponse(loop.metrics.render(gauges, counters),
                                  media_type="text/plain; version=0.0.4")
 

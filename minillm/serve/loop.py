@@ -76,6 +76,8 @@ class EngineLoop:
         self.handles: dict[str, Handle] = {}     # loop thread only
         self.step_count = 0
         self.num_engine_errors = 0
+        self.engine_step_s = 0.0                 # seconds inside engine.step()
+        self.overhead_s = 0.0                    # seconds of the loop's own work after steps
         self.kv = engine.kv_counts()             # after the latest step (for /metrics)
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()            # guards _pending (handlers vs. the loop)
@@ -172,6 +174,7 @@ class EngineLoop:
                 log.exception("call_soon callback failed")
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             out = self.engine.step()
         except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
@@ -179,6 +182,7 @@ class EngineLoop:
             self.num_engine_errors += 1
             self._fail_all(f"engine error: {type(e).__name__}: {e}")
             return
+        t1 = time.perf_counter()
         self.step_count += 1
         self.engine.step_count = self.engine.total_steps = self.step_count
         self._publish(out)
@@ -188,6 +192,10 @@ class EngineLoop:
                 hook(self, out)
             except Exception:  # noqa: BLE001 - a dashboard bug must not stop serving
                 log.exception("on_step hook failed")
+        # what serving adds to each step (handing tokens out, metrics, dashboard), apart from
+        # the engine's own step: /metrics exposes both totals
+        self.engine_step_s += t1 - t0
+        self.overhead_s += time.perf_counter() - t1
 
     def _publish(self, out: StepOutput) -> None:
         now = time.perf_counter()

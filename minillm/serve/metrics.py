@@ -125,5 +125,9 @@ COUNTER_HELP = {
     "vllm:prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
     "vllm:prompt_tokens_total": "Prompt tokens of accepted requests.",
     "vllm:generation_tokens_total": "Tokens generated.",
+    "minillm:engine_steps_total": "Engine steps run by the server.",
+    "minillm:engine_step_seconds_total": "Seconds spent inside engine.step().",
+    "minillm:loop_overhead_seconds_total": "Seconds the engine loop spent after steps handing "
+                                           "tokens to clients (serving's own overhead).",
     "minillm:requests_rejected_total": "Requests refused with 429 because the queue was full.",
 }
