@@ -153,6 +153,32 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert loop.metrics.finished.get("abort", 0) == before + 1
 
 
+def test_non_streaming_client_that_gives_up_frees_blocks(server):
+    """A non-streamed request has no stream to cancel: the handler must notice the client left."""
+    url, app = server
+    before = app.state.loop.metrics.finished.get("abort", 0)
+    body = {"model": "tiny-llama", "prompt": "long", "max_tokens": 1200, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    wait_until(lambda: pool_full(app), what="the abandoned request's blocks back in the pool")
+    assert app.state.loop.metrics.finished.get("abort", 0) == before + 1
+
+
+def test_dynamic_engine_serves_too(tiny, offline):
+    with running_server(LLM(tiny, engine="dynamic", max_num_seqs=4), dashboard=True) as (url, _):
+        c = client(url)
+        full = c.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=16,
+                                    temperature=0)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny-llama", prompt="Hello there", max_tokens=16, temperature=0, stream=True)
+            if ch.choices)
+        assert full.choices[0].text == streamed == offline_texts(offline, ["Hello there"],
+                                                                 max_tokens=16)[0]
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny-llama", prompt="hi", n=2, max_tokens=4)
+        assert e.value.body["param"] == "n"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": "gpt-4", "prompt": "hi"}, "model"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -132,7 +133,8 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
         events = loop.submit(req)
     except RequestError as e:
         msg = str(e).removeprefix(f"{req.request_id}: ")
-        raise APIError(msg, param="max_tokens" if "max_tokens" in msg else field) from None
+        param = "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n") else field
+        raise APIError(msg, param=param) from None
     except QueueFull as e:
         raise APIError(str(e), 429, code="queue_full", type="rate_limit_error") from None
     answer = Answer(llm, req, stops, chat, app.state.model_name)
@@ -140,9 +142,10 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     if body.stream:
         return StreamingResponse(answer.stream(events, loop, body.include_usage),
                                  media_type="text/event-stream")
+    watch = DisconnectWatch(http)
     try:
         while not answer.done:
-            answer.consume(await next_event(events, http))
+            answer.consume(await watch.next_event(events))
             if answer.all_stopped and not answer.done:
                 loop.abort(req.request_id)   # every choice hit a stop string
     except ClientGone:
@@ -156,13 +159,25 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     return answer.body(final=True)
 
 
-async def next_event(events: asyncio.Queue, http: HTTPRequest) -> Event:
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                raise ClientGone() from None
+class DisconnectWatch:
+    """A non-streaming handler learns that its client left only by asking (Starlette cancels a
+    streaming response by itself): ask at most every ``DISCONNECT_POLL_S``, tokens or not."""
+
+    def __init__(self, http: HTTPRequest):
+        self.http, self.next_check = http, time.monotonic() + DISCONNECT_POLL_S
+
+    async def next_event(self, events: asyncio.Queue) -> Event:
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if time.monotonic() >= self.next_check:
+                if await self.http.is_disconnected():
+                    raise ClientGone()
+                self.next_check = time.monotonic() + DISCONNECT_POLL_S
+            if event is not None:
+                return event
 
 
 class Answer:

@@ -101,10 +101,12 @@ def kv_json(snap: MemorySnapshot) -> dict:
     ``minillm.memory`` for what each digit means), the owner of each row's first owned cell (a
     block, or a batch row, belongs to one request), and whether a block is shared (n > 1)."""
     rows, cols = snap.kind.shape
-    keep = max(1, min(rows, MAX_CELLS // max(cols, 1)))
+    keep = min(rows, max(1, MAX_CELLS // max(cols, 1)))
     kinds = ["".join(map(str, r)) for r in snap.kind[:keep].tolist()]
     owned = snap.owner[:keep] >= 0
-    first = np.where(owned.any(1), snap.owner[:keep][np.arange(keep), owned.argmax(1)], -1)
+    first = np.full(keep, -1)
+    if keep and cols:   # a contiguous engine's rectangle is empty (0 rows) when it is idle
+        first = np.where(owned.any(1), snap.owner[:keep][np.arange(keep), owned.argmax(1)], -1)
     shared = [] if snap.ref_counts is None else (np.asarray(snap.ref_counts)[:keep] > 1).tolist()
     return {"layout": snap.layout, "row_label": snap.row_label, "rows": rows, "cols": cols,
             "shown_rows": keep, "kinds": kinds, "owner": first.tolist(), "owners": snap.owners,
