@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ..llm import LLM
 from ..request import FinishReason, Request, RequestError
 from .detok import IncrementalDetokenizer
-from .loop import EngineLoop, Event, QueueFull
+from .loop import EngineLoop, Event, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                        new_id, usage)
@@ -135,6 +135,8 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
         msg = str(e).removeprefix(f"{req.request_id}: ")
         param = "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n") else field
         raise APIError(msg, param=param) from None
+    except ShuttingDown as e:
+        raise APIError(str(e), 503, code="shutting_down") from None
     except QueueFull as e:
         raise APIError(str(e), 429, code="queue_full", type="rate_limit_error") from None
     answer = Answer(llm, req, stops, chat, app.state.model_name)

@@ -44,7 +44,23 @@ def main(args: argparse.Namespace, engine_options: dict) -> int:
     print(f"[minillm] serving {llm.model.name} ({args.engine} engine) on "
           f"http://{args.host}:{args.port} — dashboard: http://{args.host}:{args.port}/dashboard",
           file=sys.stderr)
-    # open streams (a dashboard tab) would hold a shutdown forever: give them 3 s
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=3)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=3)
+    StoppingServer(config).run()
     return 0
+
+
+class StoppingServer:
+    """uvicorn's server, but Ctrl-C first stops the engine loop: every request in flight ends at
+    once with a "shutting down" error, so its stream closes instead of holding the shutdown for
+    ``timeout_graceful_shutdown``; dashboards disconnect too."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                config.app.state.loop.stop()
+                super().handle_exit(sig, frame)
+
+        return _Server(config)

@@ -130,7 +130,7 @@ def add_dashboard(app: FastAPI, loop: EngineLoop, llm) -> Dashboard:
                 # a fresh frame now, even if the engine is idle (built on the loop thread)
                 loop.call_soon(lambda: board.build(time.perf_counter()))
                 seen, t_end, quiet = -1, time.monotonic() + MAX_STREAM_S, 0
-                while time.monotonic() < t_end:
+                while time.monotonic() < t_end and not loop.stopping:
                     if board.version != seen:
                         seen, quiet = board.version, 0
                         yield f"data: {json.dumps(board.frame)}\n\n"

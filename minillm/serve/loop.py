@@ -35,6 +35,10 @@ class QueueFull(Exception):
     """The waiting queue is at ``max_waiting``: try again later (HTTP 429)."""
 
 
+class ShuttingDown(QueueFull):
+    """The loop is stopping: no new requests (HTTP 503)."""
+
+
 @dataclass
 class Event:
     kind: str                                    # "tokens" | "done" | "error"
@@ -94,7 +98,7 @@ class EngineLoop:
         """Accept ``req`` (RequestError if it can never run, QueueFull if the queue is full) and
         return the queue its events will arrive on. Call from the event loop."""
         if self._stop.is_set():
-            raise QueueFull("the server is shutting down")
+            raise ShuttingDown("the server is shutting down")
         self.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
         with self._lock:
             waiting = self._pending + self.engine.num_waiting()
@@ -124,10 +128,19 @@ class EngineLoop:
     def num_running(self) -> int:
         return self.engine.num_running()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop after the current step; requests still in flight get an error event."""
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current step (returns at once); requests still in
+        flight then get an error event, so their streams end instead of holding a shutdown."""
         self._stop.set()
         self._inbox.put(("stop", None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """``stop`` and wait for the loop thread to end."""
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
