@@ -191,6 +191,10 @@ def test_dynamic_engine_serves_too(tiny, offline):
     ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens"),
     ({"model": "tiny-llama", "prompt": "hi", "logprobs": 3}, "logprobs"),
     ({"model": "tiny-llama", "prompt": "hi", "stop": [""]}, "stop"),
+    ({"model": "tiny-llama", "prompt": [True, 5]}, "prompt"),          # no lax coercions
+    ({"model": "tiny-llama", "prompt": "hi", "max_tokens": "3"}, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": "hi", "stream": "yes"}, "stream"),
+    ({"model": "tiny-llama", "prompt": ["a", "b"]}, "prompt"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
     url, _ = server
@@ -206,9 +210,24 @@ def test_malformed_body_gets_400(server):
         r = httpx.post(f"{url}/v1/chat/completions", content=content, timeout=30,
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
-    with pytest.raises(openai.BadRequestError) as e:
-        client(url).chat.completions.create(model="tiny-llama", messages=[], max_tokens=4)
-    assert e.value.body["param"] == "messages"
+    lone_surrogate = rb'{"model": "tiny-llama", "prompt": "\ud800"}'   # valid JSON, bad text
+    r = httpx.post(f"{url}/v1/completions", content=lone_surrogate, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for messages, param in (([], "messages"), ([{"role": "wizard", "content": "hi"}],
+                                               "messages.0.role"),
+                            ([{"role": "user"}], "messages.0.content")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).chat.completions.create(model="tiny-llama", messages=messages,
+                                                max_tokens=4)
+        assert e.value.body["param"] == param
+    # OpenAI's content parts (text) are the same prompt as a plain string
+    c = client(url)
+    parts = c.chat.completions.create(model="tiny-llama", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]}])
+    plain = c.chat.completions.create(model="tiny-llama", max_tokens=6, temperature=0,
+                                      messages=[{"role": "user", "content": "Hi you"}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_overload_gets_429_and_accepted_requests_finish_once(tiny):

@@ -107,12 +107,21 @@ def add_error_handlers(app: FastAPI) -> None:
         if err.get("type") == "json_invalid":
             return await api_error(None, APIError(f"the request body is not valid JSON: "
                                             f"{err.get('ctx', {}).get('error', err['msg'])}"))
-        param = ".".join(loc) or None
+        # the field's path, without pydantic's union-member tags ("prompt.str" -> "prompt")
+        param = ".".join([*loc[:1], *(p for p in loc[1:] if p.isdigit() or p in SUBFIELDS)]) or None
+        if err.get("type") in UNION_TYPE_ERRORS and param in UNION_HELP:
+            return await api_error(None, APIError(f"{param}: {UNION_HELP[param]}", param=param))
         if param is None:   # the body itself: not JSON, or not an object
             return await api_error(None, APIError("the request body must be a JSON object "
                                                   "(send Content-Type: application/json)"))
         got = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
         return await api_error(None, APIError(f"{param or 'body'}: {err['msg']}{got}", param=param))
+
+
+SUBFIELDS = {"role", "content", "text", "type", "include_usage"}
+UNION_TYPE_ERRORS = {"string_type", "list_type", "int_type"}
+UNION_HELP = {"prompt": "must be a string, or a list of token ids (integers)",
+              "stop": "must be a string or a list of strings"}
 
 
 async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):

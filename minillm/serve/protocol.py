@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..request import SamplingParams
 
@@ -30,13 +30,23 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# Strict types where JSON's lax coercions would hide a client bug: "3" is not a max_tokens, true is
+# not a token id, "yes" is not a stream flag.
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextPart]]   # OpenAI's content parts: text only here
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _Common(BaseModel):
@@ -44,19 +54,19 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)           # vLLM's extra (0 = off here)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stream: bool = False
+    top_k: StrictInt = Field(default=0, ge=0)           # vLLM's extra (0 = off here)
+    n: StrictInt = Field(default=1, ge=1, le=16)
+    seed: StrictInt | None = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False                      # vLLM's extra: benchmarks fix output lengths
-    return_token_ids: bool = False                # vLLM's extra: each choice's token ids too
+    ignore_eos: StrictBool = False                      # vLLM's extra: benchmarks fix output lengths
+    return_token_ids: StrictBool = False                # vLLM's extra: each choice's token ids too
     # fields that would change the answer, refused when set (see ``check_unsupported``)
     logprobs: Union[bool, int, None] = None
     echo: bool = False
@@ -95,7 +105,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
 
     def prompt_input(self):
         """One prompt: text or token ids (a one-element batch is unwrapped)."""
@@ -114,7 +124,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
 
     def prompt_input(self):
-        return [m.model_dump() for m in self.messages]
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 # --- responses ------------------------------------------------------------------------------------
