@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from minillm import LLM
-from minillm.serve.app import create_app
+from minillm.serve.app import StoppingServer, create_app
 
 
 def free_port() -> int:
@@ -20,11 +20,13 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(llm: LLM, **app_options):
-    """Yield ``(base_url, app)`` while uvicorn serves ``create_app(llm)``; stop it afterwards."""
+    """Yield ``(base_url, app)`` while uvicorn serves ``create_app(llm)``; stop it afterwards
+    (``app.state.server`` is the ``StoppingServer``, for tests that stop it themselves)."""
     app = create_app(llm, **app_options)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = StoppingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on", timeout_graceful_shutdown=5))
+    app.state.server = server
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -35,7 +37,7 @@ def running_server(llm: LLM, **app_options):
     try:
         yield f"http://127.0.0.1:{port}", app
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(30)
         assert not thread.is_alive(), "the test server did not stop"
 

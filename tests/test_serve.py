@@ -332,3 +332,21 @@ def test_load_generator_against_the_server(server, tmp_path):
                 "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "median_itl_ms"):
         assert m[key] > 0, key
     assert m["p50_ttft_ms"] <= m["p95_ttft_ms"] <= m["p99_ttft_ms"]
+
+
+def test_shutdown_ends_open_streams_with_an_error(tiny):
+    """Stopping the server (Ctrl-C does the same) ends a stream in flight with an OpenAI-style
+    error event at once, instead of waiting for the request to finish."""
+    llm = LLM(tiny, engine="paged", num_blocks=300)
+    with running_server(llm, dashboard=False) as (url, app):
+        stream = client(url, max_retries=0).completions.create(
+            model="tiny-llama", prompt="forever", max_tokens=4000, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        next(iter(stream))
+        app.state.server.stop()
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in stream:
+                pass
+        wait_until(lambda: not app.state.loop._thread.is_alive(), what="the loop to stop")
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not app.state.loop.handles

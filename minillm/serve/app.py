@@ -16,6 +16,7 @@ import json
 import time
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -92,6 +93,20 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
         return await serve(app, body, http, chat=True)
 
     return app
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server for ``create_app``, but stopping it (Ctrl-C, ``stop()``) first stops the
+    engine loop: every request in flight ends at once with a "shutting down" error, so its stream
+    closes instead of holding the shutdown for ``timeout_graceful_shutdown``; dashboards too."""
+
+    def stop(self) -> None:
+        self.config.app.state.loop.stop()
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        self.config.app.state.loop.stop()
+        super().handle_exit(sig, frame)
 
 
 def add_error_handlers(app: FastAPI) -> None:

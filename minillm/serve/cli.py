@@ -29,7 +29,7 @@ def main(args: argparse.Namespace, engine_options: dict) -> int:
     import uvicorn
 
     from ..llm import LLM
-    from .app import create_app
+    from .app import StoppingServer, create_app
 
     if args.max_waiting < 1:
         print(f"error: --max-waiting must be >= 1, got {args.max_waiting}", file=sys.stderr)
@@ -48,19 +48,3 @@ def main(args: argparse.Namespace, engine_options: dict) -> int:
                             timeout_graceful_shutdown=3)
     StoppingServer(config).run()
     return 0
-
-
-class StoppingServer:
-    """uvicorn's server, but Ctrl-C first stops the engine loop: every request in flight ends at
-    once with a "shutting down" error, so its stream closes instead of holding the shutdown for
-    ``timeout_graceful_shutdown``; dashboards disconnect too."""
-
-    def __new__(cls, config):
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                config.app.state.loop.stop()
-                super().handle_exit(sig, frame)
-
-        return _Server(config)
