@@ -114,7 +114,8 @@ def test_sampling_n_seed_and_stop_strings(server, offline):
     assert streamed == want
     # a stop string taken from the middle of the greedy answer cuts it there, streamed or not
     greedy = offline_texts(offline, ["Hello there"], max_tokens=40)[0]
-    stop = next(greedy[i:i + 2] for i in range(4, len(greedy) - 2) if "\ufffd" not in greedy[i:i + 2])
+    stop = next(greedy[i:i + 2] for i in range(4, len(greedy) - 2)
+                if "\ufffd" not in greedy[i:i + 2])
     cut = greedy[:greedy.find(stop)]
     kw = dict(model="tiny-llama", prompt="Hello there", max_tokens=40, temperature=0, stop=[stop])
     full = c.completions.create(**kw)
@@ -224,7 +225,8 @@ def test_malformed_body_gets_400(server):
     # OpenAI's content parts (text) are the same prompt as a plain string
     c = client(url)
     parts = c.chat.completions.create(model="tiny-llama", max_tokens=6, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]}])
+        {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                     {"type": "text", "text": "you"}]}])
     plain = c.chat.completions.create(model="tiny-llama", max_tokens=6, temperature=0,
                                       messages=[{"role": "user", "content": "Hi you"}])
     assert parts.choices[0].message.content == plain.choices[0].message.content
@@ -251,7 +253,8 @@ def test_overload_gets_429_and_accepted_requests_finish_once(tiny):
             results = list(pool.map(call, range(12)))
         accepted = [r for r in results if r is not None]
         assert 0 < len(accepted) < 12
-        assert all(n == 400 for _, n in accepted) and len({rid for rid, _ in accepted}) == len(accepted)
+        assert all(n == 400 for _, n in accepted)
+        assert len({rid for rid, _ in accepted}) == len(accepted)
         m = app.state.loop.metrics
         assert sum(m.finished.values()) == len(accepted) and m.rejected == 12 - len(accepted)
         wait_until(lambda: pool_full(app), what="the pool back to full")

@@ -87,7 +87,8 @@ class Dashboard:
 
     def row(self, req, text: bool = True) -> dict:
         group = getattr(self.loop.engine, "groups", {}).get(req.request_id)
-        out = group.seqs[0].output_token_ids if group is not None and group.seqs else req.output_token_ids
+        live = group is not None and group.seqs      # n > 1: show the first sample
+        out = group.seqs[0].output_token_ids if live else req.output_token_ids
         row = {"id": req.request_id, "prompt_len": req.prompt_len, "tokens": len(out),
                "max_tokens": req.params.max_tokens, "n": req.params.n,
                "preemptions": req.num_preemptions}

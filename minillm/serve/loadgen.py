@@ -58,7 +58,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> R
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                text = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {text[:200]}"
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -111,11 +112,13 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     out = {"duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
            "total_input_tokens": sum(r.prompt_tokens for r in ok),
            "total_output_tokens": sum(r.output_tokens for r in ok)}
-    out["request_throughput"] = len(ok) / duration if duration else 0.0
-    out["output_throughput"] = out["total_output_tokens"] / duration if duration else 0.0
-    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration if duration else 0.0
+    per_s = 1.0 / duration if duration else 0.0
+    out["request_throughput"] = len(ok) * per_s
+    out["output_throughput"] = out["total_output_tokens"] * per_s
+    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) * per_s
     series = {"ttft": [r.ttft for r in ok],
-              "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+              "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1)
+                       for r in ok if r.output_tokens > 1],
               "itl": [g for r in ok for g in r.itl],
               "e2el": [r.latency for r in ok]}
     for name, values in series.items():
@@ -176,7 +179,8 @@ def main(args) -> int:
     n = args.requests or 32
     chat = args.endpoint == "chat"
     bodies = make_bodies(args.model, n, args.max_tokens, args.seed, chat, args.ignore_eos)
-    results, duration = asyncio.run(run(args.serve, bodies, rate, args.concurrency, args.seed, chat))
+    results, duration = asyncio.run(run(args.serve, bodies, rate, args.concurrency, args.seed,
+                                        chat))
     m = summarize(results, duration)
     print(report(m, rate, args.concurrency))
     for err in m["errors"]:

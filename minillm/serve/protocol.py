@@ -46,11 +46,14 @@ class ChatMessage(BaseModel):
     content: Union[StrictStr, list[TextPart]]   # OpenAI's content parts: text only here
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
 
 
 class _Common(BaseModel):
-    """Fields shared by both endpoints. OpenAI's defaults: 16 tokens (completions), temperature 1."""
+    """Fields shared by both endpoints. OpenAI's defaults: 16 tokens (completions), temperature
+    1. ``top_k``, ``ignore_eos``, ``return_token_ids`` are vLLM's extras."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -65,7 +68,7 @@ class _Common(BaseModel):
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: StrictBool = False                      # vLLM's extra: benchmarks fix output lengths
+    ignore_eos: StrictBool = False                # benchmarks fix output lengths with it
     return_token_ids: StrictBool = False                # vLLM's extra: each choice's token ids too
     # fields that would change the answer, refused when set (see ``check_unsupported``)
     logprobs: Union[bool, int, None] = None
@@ -140,7 +143,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def completion_body(rid: str, model: str, chat: bool, choices: list[dict],
                     use: dict | None, chunk: bool) -> dict:
     """A (chunk of a) completion: ``choices`` are ``{"index", "text", "finish_reason"}``."""
-    kind: Literal["chat.completion", "text_completion"] = "chat.completion" if chat else "text_completion"
+    kind = "chat.completion" if chat else "text_completion"
     out = []
     for c in choices:
         item = {"index": c["index"], "finish_reason": c.get("finish_reason"), "logprobs": None}
@@ -149,7 +152,8 @@ def completion_body(rid: str, model: str, chat: bool, choices: list[dict],
         if not chat:
             item["text"] = c["text"]
         elif chunk:
-            item["delta"] = {"content": c["text"]} if c["text"] or not c.get("finish_reason") else {}
+            last_empty = not c["text"] and c.get("finish_reason")   # OpenAI sends delta {}
+            item["delta"] = {} if last_empty else {"content": c["text"]}
             if c.get("first"):
                 item["delta"]["role"] = "assistant"
         else:
