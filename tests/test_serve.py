@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from minillm import LLM, SamplingParams
 from minillm.serve.detok import IncrementalDetokenizer
@@ -125,15 +126,26 @@ def test_sampling_n_seed_and_stop_strings(server, offline):
     assert full.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("text,stops", [("hello world", ["lo w"]), ("abcabc", ["ca", "bc"]),
-                                        ("no stop here", ["zz"]), ("é ü", ["ü"])])
-def test_incremental_detokenizer_never_sends_past_a_stop(tiny, text, stops):
-    tok = tiny.tokenizer
-    ids = tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok, stops)
-    sent = "".join(d.add([t]) for t in ids) + d.flush()
-    hits = [text.find(s) for s in stops if s in text]
-    assert sent == (text[:min(hits)] if hits else text)
+TEXT = st.text(alphabet=st.sampled_from("ab ,é€😀\ufffd"), max_size=24)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=TEXT, stops=st.lists(st.text(alphabet=st.sampled_from("ab é€😀\ufffd"),
+                                         min_size=1, max_size=4), max_size=3),
+       chunk=st.integers(1, 4))
+def test_incremental_detokenizer_streams_the_text_up_to_the_first_stop(tiny, text, stops, chunk):
+    """Fed a few byte-tokens at a time (multi-byte characters split across tokens), what is handed
+    out is the text up to where a stop string begins (the first to complete, as in vLLM), holds no
+    stop string, and is never taken back; with no stop string in the text, all of it."""
+    ids = tiny.tokenizer.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tiny.tokenizer, stops)
+    sent = "".join(d.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + d.flush()
+    assert sent == d.text and text.startswith(sent)
+    assert not any(s in sent for s in stops)
+    if d.stopped:
+        assert any(text[len(sent):].startswith(s) for s in stops)
+    else:
+        assert sent == text and not any(s in text for s in stops)
 
 
 def test_disconnect_mid_stream_frees_blocks(server):

@@ -28,15 +28,22 @@ class IncrementalDetokenizer:
         # Decoding the whole sample each time is O(n^2) but simple and always right, even for
         # tokenizers whose spacing depends on the neighbours; outputs here are short.
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = self._find_stop(text)
-        if cut is not None:
-            text, self.stopped = text[:cut], True
+        # a trailing U+FFFD may be half a character: it cannot match a stop string yet
         self.text = text
-        return self._take(len(text) if self.stopped else self._safe_end(text))
+        self._cut(len(text.rstrip(REPLACEMENT)))
+        return self._take(len(self.text) if self.stopped else self._safe_end(self.text))
 
     def flush(self) -> str:
         """At the end of the sample: everything not sent yet (a trailing U+FFFD included)."""
+        if not self.stopped:
+            self._cut(len(self.text))
         return self._take(len(self.text))
+
+    def _cut(self, searchable: int) -> None:
+        """Cut the text at the earliest stop string within its first ``searchable`` chars."""
+        cut = self._find_stop(self.text[:searchable])
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
 
     def _take(self, end: int) -> str:
         end = max(end, self.sent)
@@ -52,10 +59,10 @@ class IncrementalDetokenizer:
         return min(hits) if hits else None
 
     def _safe_end(self, text: str) -> int:
-        end = len(text.rstrip(REPLACEMENT))
+        end = safe = len(text.rstrip(REPLACEMENT))
         for s in self.stops:   # the longest tail that is the start of a stop string stays back
             for k in range(min(len(s) - 1, end), 0, -1):
                 if text.endswith(s[:k], 0, end):
-                    end = min(end, len(text[:end]) - k)
+                    safe = min(safe, end - k)
                     break
-        return end
+        return safe
