@@ -273,6 +273,9 @@ def test_overload_gets_429_and_accepted_requests_finish_once(tiny):
 
 
 def test_engine_exception_fails_in_flight_and_server_recovers(tiny, offline):
+    """A step that raises fails the requests in flight (500 with the message), the pool is
+    given back, and the next request is served as if nothing happened; a hook that raises
+    after every step changes nothing."""
     llm = LLM(tiny, engine="paged", num_blocks=96)
     with running_server(llm, dashboard=False) as (url, app):
         engine, real_step, calls = llm.engine, llm.engine.step, Counter()
@@ -284,6 +287,11 @@ def test_engine_exception_fails_in_flight_and_server_recovers(tiny, offline):
             return real_step()
 
         engine.step = flaky_step
+
+        def broken_hook(loop, out):   # a dashboard bug: logged, never fatal
+            raise ValueError("hook bug")
+
+        app.state.loop.on_step.append(broken_hook)
         c = client(url, max_retries=0)
         with pytest.raises(openai.InternalServerError, match="injected failure"):
             c.completions.create(model="tiny-llama", prompt="boom", max_tokens=10, temperature=0)

@@ -97,20 +97,20 @@ class EngineLoop:
     def submit(self, req: Request) -> asyncio.Queue:
         """Accept ``req`` (RequestError if it can never run, QueueFull if the queue is full) and
         return the queue its events will arrive on. Call from the event loop."""
-        if self._stop.is_set():
-            raise ShuttingDown("the server is shutting down")
         self.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
-        with self._lock:
+        handle = Handle(req, asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:   # the loop's last drain takes this lock too: no request is left behind
+            if self._stop.is_set():
+                raise ShuttingDown("the server is shutting down")
             waiting = self._pending + self.engine.num_waiting()
             if waiting >= self.max_waiting:
                 self.metrics.rejected += 1
                 raise QueueFull(f"{waiting} requests are already waiting (max_waiting="
                                 f"{self.max_waiting}): try again later")
             self._pending += 1
-        req.arrival_time = time.perf_counter()
-        handle = Handle(req, asyncio.get_running_loop(), asyncio.Queue())
+            req.arrival_time = time.perf_counter()
+            self._inbox.put(("add", handle))
         self.metrics.observe_accepted(req.prompt_len)
-        self._inbox.put(("add", handle))
         return handle.queue
 
     def abort(self, request_id: str) -> None:
@@ -173,13 +173,17 @@ class EngineLoop:
                 self._pending -= 1
             try:
                 self.engine.add_request(arg.request)
-            except RequestError as e:        # e.g. an id already in flight
-                arg.push(Event("error", error=str(e)))
+            except Exception as e:  # noqa: BLE001 - e.g. an id already in flight: this one fails
+                arg.push(Event("error", error=str(e) if isinstance(e, RequestError) else
+                               f"engine error: {type(e).__name__}: {e}"))
                 return
             arg.request.added_step = self.step_count
             self.handles[arg.request.request_id] = arg
         elif op == "abort":
-            self.engine.abort(arg)   # False if it already finished: nothing to do
+            try:
+                self.engine.abort(arg)   # False if it already finished: nothing to do
+            except Exception:  # noqa: BLE001 - the request then simply runs to its end
+                log.exception("abort of %s failed", arg)
         elif op == "call":
             try:
                 arg()
@@ -267,6 +271,9 @@ class EngineLoop:
             log.exception("engine reset failed")
         self.kv = self.engine.kv_counts()
         handles, self.handles = self.handles, {}
+        if drain_inbox:
+            with self._lock:   # ``submit`` checks the stop flag under this lock: none come later
+                self._stop.set()
         while drain_inbox:
             try:
                 op, arg = self._inbox.get_nowait()
