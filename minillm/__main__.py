@@ -233,9 +233,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .serve.loadgen import main as serve_bench_main, serve_only_flags
+
     if args.serve:   # against a running server: no model is loaded here
-        from .serve.loadgen import main as serve_bench_main
         return serve_bench_main(args)
+    if serve_only_flags(args):
+        print(f"error: {', '.join(serve_only_flags(args))} only apply with --serve URL",
+              file=sys.stderr)
+        return 2
     from .bench import main as bench_main
 
     return bench_main(args)

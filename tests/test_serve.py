@@ -355,6 +355,8 @@ def test_load_generator_against_the_server(server, tmp_path):
                 "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "median_itl_ms"):
         assert m[key] > 0, key
     assert m["p50_ttft_ms"] <= m["p95_ttft_ms"] <= m["p99_ttft_ms"]
+    assert main(["bench", "--max-tokens", "8"]) == 2          # a --serve flag without --serve
+    assert main(["bench", "--serve", url, "--requests", "0"]) == 2
 
 
 def test_shutdown_ends_open_streams_with_an_error(tiny):

@@ -167,18 +167,30 @@ def add_serve_bench_args(p) -> None:
                         "http://127.0.0.1:8000) instead of engines in this process; loads no model")
     g.add_argument("--concurrency", type=int, default=None,
                    help="--serve: at most this many requests in flight (default: no limit)")
-    g.add_argument("--max-tokens", type=int, default=64, help="--serve: max_tokens per request")
-    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="--serve: max_tokens per request (default 64)")
+    g.add_argument("--endpoint", choices=("chat", "completions"), default=None,
                    help="--serve: /v1/chat/completions (default) or /v1/completions")
     g.add_argument("--ignore-eos", action="store_true",
                    help="--serve: every request generates exactly --max-tokens (vLLM's extra)")
 
 
+def serve_only_flags(args) -> list[str]:
+    """The --serve flags given without --serve (they would be silently ignored)."""
+    given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
+             "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None}
+    return [flag for flag, value in given.items() if value is not None]
+
+
 def main(args) -> int:
     rate = args.rate if args.rate else math.inf
-    n = args.requests or 32
-    chat = args.endpoint == "chat"
-    bodies = make_bodies(args.model, n, args.max_tokens, args.seed, chat, args.ignore_eos)
+    n = 32 if args.requests is None else args.requests
+    chat = args.endpoint != "completions"
+    max_tokens = 64 if args.max_tokens is None else args.max_tokens
+    if max_tokens < 1 or n < 1 or (args.concurrency is not None and args.concurrency < 1):
+        print("error: --requests, --max-tokens and --concurrency must be >= 1")
+        return 2
+    bodies = make_bodies(args.model, n, max_tokens, args.seed, chat, args.ignore_eos)
     results, duration = asyncio.run(run(args.serve, bodies, rate, args.concurrency, args.seed,
                                         chat))
     m = summarize(results, duration)
@@ -188,6 +200,6 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"rate": rate if not math.isinf(rate) else "inf", "num_prompts": n,
-                       "max_concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                       "max_concurrency": args.concurrency, "max_tokens": max_tokens,
                        **m}, f, indent=1)
     return 0 if m["completed"] == n else 1
