@@ -1,4 +1,5 @@
-"""Command line: ``python -m minillm generate ...`` and ``python -m minillm bench ...``."""
+"""Command line: ``python -m minillm generate ...``, ``python -m minillm bench ...`` and
+``python -m minillm serve ...`` (an OpenAI-compatible server, ``minillm/serve/``)."""
 from __future__ import annotations
 
 import argparse
@@ -232,9 +233,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .serve.loadgen import main as serve_bench_main, serve_only_flags
+
+    if args.serve:   # against a running server: no model is loaded here
+        return serve_bench_main(args)
+    if serve_only_flags(args):
+        print(f"error: {', '.join(serve_only_flags(args))} only apply with --serve URL",
+              file=sys.stderr)
+        return 2
     from .bench import main as bench_main
 
     return bench_main(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.cli import main as serve_main
+
+    return serve_main(args, options_from(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,8 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run engines side by side on one workload")
     from .bench import add_bench_args
     add_bench_args(b)
+    from .serve.loadgen import add_serve_bench_args
+    add_serve_bench_args(b)
     add_engine_options(b)
     b.set_defaults(func=cmd_bench)
+    from .serve.cli import SERVE_HELP, add_serve_args
+    s = sub.add_parser("serve", help="an OpenAI-compatible server with a live dashboard",
+                       description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_args(s)
+    add_engine_options(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

@@ -1,0 +1,146 @@
+"""The live dashboard: ``/dashboard`` (a page) fed by ``/dashboard/events`` (server-sent events).
+
+What it shows is what notebook 02 (continuous batching) and notebook 03 (the block manager) draw
+offline, now with real clients: the running batch, one row per request growing token by token; the
+waiting queue; the KV block pool; TTFT and TPOT of each finished request over time. The pool is the
+engine's own ``MemorySnapshot`` (``minillm/memory.py``, the picture every notebook draws) turned
+into JSON: nothing here recomputes what the engine already reports.
+
+Frames are built on the engine loop thread right after a step (the only moment the engine's state
+is consistent), at most ``FRAME_INTERVAL_S`` apart and only while someone watches; the SSE
+handlers just send the newest frame.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, StreamingResponse
+
+from ..memory import MemorySnapshot
+from .loop import EngineLoop
+
+PAGE = Path(__file__).parent / "static" / "dashboard.html"
+FRAME_INTERVAL_S = 0.1
+MAX_CELLS = 1 << 16        # a bigger pool is drawn up to its first MAX_CELLS slots
+MAX_STREAM_S = 600         # an SSE stream ends after this (the browser reconnects by itself)
+TAIL_TOKENS = 24           # the text shown for each running request: its newest tokens
+
+
+class Dashboard:
+    def __init__(self, loop: EngineLoop, tokenizer):
+        self.loop, self.tokenizer = loop, tokenizer
+        self.t0 = time.perf_counter()
+        self.frame: dict = {}
+        self.version = 0
+        self.watchers = 0
+        self.last_build = 0.0
+        self.points: deque = deque(maxlen=500)   # (finish time, ttft ms, tpot ms) per request
+        self.tokens: deque = deque(maxlen=64)    # (time, generation tokens so far) for tok/s
+        self.num_finished = 0
+        loop.on_step.append(self.on_step)
+
+    def on_step(self, loop: EngineLoop, out) -> None:
+        now = time.perf_counter()
+        for req in out.finished:
+            self.num_finished += 1
+            if req.first_token_time is not None and req.arrival_time is not None:
+                ttft = req.first_token_time - req.arrival_time
+                n = max(len(s) for s in req.samples) if req.samples else len(req.output_token_ids)
+                tpot = (req.finish_time - req.first_token_time) / (n - 1) if n > 1 else None
+                self.points.append((round(now - self.t0, 3), round(ttft * 1e3, 2),
+                                    None if tpot is None else round(tpot * 1e3, 2)))
+        idle = not loop.engine.has_unfinished()
+        if self.watchers and (idle or now - self.last_build >= FRAME_INTERVAL_S):
+            self.build(now)
+
+    def build(self, now: float) -> None:
+        """The frame after the latest step (loop thread only, or before the loop starts)."""
+        loop, eng = self.loop, self.loop.engine
+        self.tokens.append((now, loop.metrics.generation_tokens))
+        (t_a, n_a), (t_b, n_b) = self.tokens[0], self.tokens[-1]
+        self.frame = {
+            "step": loop.step_count, "time_s": round(now - self.t0, 3),
+            "engine": eng.name, "model": eng.model.name,
+            "running": [self.row(r) for r in self.requests(running=True)],
+            "waiting": [self.row(r, text=False) for r in self.requests(running=False)],
+            "kv": kv_json(eng.snapshot()),
+            "points": list(self.points),
+            "stats": {"num_running": eng.num_running(), "num_waiting": loop.num_waiting(),
+                      "finished": self.num_finished, "preemptions": eng.num_preemptions,
+                      "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
+        }
+        self.last_build = now
+        self.version += 1
+
+    def requests(self, running: bool) -> list:
+        sched = getattr(self.loop.engine, "scheduler", None)
+        if sched is not None:
+            return [g.request for g in (sched.running if running else sched.waiting)]
+        started = [h.request for h in self.loop.handles.values()]
+        return [r for r in started if bool(r.output_token_ids) == running]
+
+    def row(self, req, text: bool = True) -> dict:
+        group = getattr(self.loop.engine, "groups", {}).get(req.request_id)
+        live = group is not None and group.seqs      # n > 1: show the first sample
+        out = group.seqs[0].output_token_ids if live else req.output_token_ids
+        row = {"id": req.request_id, "prompt_len": req.prompt_len, "tokens": len(out),
+               "max_tokens": req.params.max_tokens, "n": req.params.n,
+               "preemptions": req.num_preemptions}
+        if text:
+            row["text"] = self.tokenizer.decode(out[-TAIL_TOKENS:], skip_special_tokens=True)
+        return row
+
+
+def kv_json(snap: MemorySnapshot) -> dict:
+    """The snapshot as JSON the page draws: each row's cell kinds as a string of digits (see
+    ``minillm.memory`` for what each digit means), the owner of each row's first owned cell (a
+    block, or a batch row, belongs to one request), and whether a block is shared (n > 1)."""
+    rows, cols = snap.kind.shape
+    keep = min(rows, max(1, MAX_CELLS // max(cols, 1)))
+    kinds = ["".join(map(str, r)) for r in snap.kind[:keep].tolist()]
+    owned = snap.owner[:keep] >= 0
+    first = np.full(keep, -1)
+    if keep and cols:   # a contiguous engine's rectangle is empty (0 rows) when it is idle
+        first = np.where(owned.any(1), snap.owner[:keep][np.arange(keep), owned.argmax(1)], -1)
+    shared = [] if snap.ref_counts is None else (np.asarray(snap.ref_counts)[:keep] > 1).tolist()
+    return {"layout": snap.layout, "row_label": snap.row_label, "rows": rows, "cols": cols,
+            "shown_rows": keep, "kinds": kinds, "owner": first.tolist(), "owners": snap.owners,
+            "shared": shared, "counts": snap.counts.as_dict()}
+
+
+def add_dashboard(app: FastAPI, loop: EngineLoop, llm) -> Dashboard:
+    board = Dashboard(loop, llm.tokenizer)
+    board.build(time.perf_counter())   # the loop has not started: the engine is ours to read
+    app.state.dashboard = board
+
+    @app.get("/dashboard")
+    async def page():
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/dashboard/events")
+    async def events():
+        async def stream():
+            board.watchers += 1
+            try:
+                # a fresh frame now, even if the engine is idle (built on the loop thread)
+                loop.call_soon(lambda: board.build(time.perf_counter()))
+                seen, t_end, quiet = -1, time.monotonic() + MAX_STREAM_S, 0
+                while time.monotonic() < t_end and not loop.stopping:
+                    if board.version != seen:
+                        seen, quiet = board.version, 0
+                        yield f"data: {json.dumps(board.frame)}\n\n"
+                    elif (quiet := quiet + 1) % 20 == 0:
+                        yield ": keep-alive\n\n"
+                    await asyncio.sleep(FRAME_INTERVAL_S)
+            finally:
+                board.watchers -= 1
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    return board

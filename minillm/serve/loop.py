@@ -1,0 +1,287 @@
+"""``EngineLoop``: one thread owns the engine; HTTP handlers only submit, abort and listen.
+
+This is continuous batching as a server does it (notebook 02 teaches the idea offline): requests
+arrive whenever clients send them, and each one joins the running batch at the *next* engine step.
+The engine is not thread-safe and need not be: only the loop thread touches it. Handlers (on the
+asyncio event loop) put ``("add", handle)`` and ``("abort", id)`` into a thread-safe inbox; the
+loop thread drains the inbox between steps, runs ``engine.step()``, and hands each request's new
+token ids (and finally its ``Request``) back to that request's ``asyncio.Queue`` with
+``call_soon_threadsafe``, the one safe way to wake an event loop from another thread.
+
+Guarantees: every accepted request gets exactly one final event (``done`` or ``error``); an abort
+frees the request's KV blocks at once (``PagedEngine.abort``); at most ``max_waiting`` requests wait
+for the engine (``submit`` raises ``QueueFull`` beyond that: the server answers 429, it never
+queues without bound); an exception in a step fails the requests in flight with its message, resets
+the engine (pool back to full) and the loop goes on serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engines.base import Engine, StepOutput
+from ..request import Request, RequestError, RequestOutput
+from .metrics import ServerMetrics
+
+log = logging.getLogger("minillm.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_waiting``: try again later (HTTP 429)."""
+
+
+class ShuttingDown(QueueFull):
+    """The loop is stopping: no new requests (HTTP 503)."""
+
+
+@dataclass
+class Event:
+    kind: str                                    # "tokens" | "done" | "error"
+    tokens: dict[int, list[int]] = field(default_factory=dict)   # sample index -> new token ids
+    request: Request | None = None               # "done": the finished request
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Handle:
+    """One accepted request, as the loop thread sees it."""
+
+    request: Request
+    aio_loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sent: dict[int, int] = field(default_factory=dict)   # sample index -> tokens handed out
+    last_token_time: float | None = None
+
+    def push(self, event: Event) -> None:
+        try:
+            self.aio_loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:   # the event loop is closed (server shut down): nobody listens
+            pass
+
+
+OnStep = Callable[["EngineLoop", StepOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
+                 max_waiting: int = 64, name: str = "minillm-engine-loop"):
+        if not engine.supports_abort:
+            raise ValueError(f"engine {engine.name!r} cannot abort requests: serve needs "
+                             "'dynamic' or 'paged'")
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics(engine.model.name)
+        self.max_waiting = max_waiting
+        self.on_step: list[OnStep] = []          # called on the loop thread after each step
+        self.handles: dict[str, Handle] = {}     # loop thread only
+        self.step_count = 0
+        self.num_engine_errors = 0
+        self.engine_step_s = 0.0                 # seconds inside engine.step()
+        self.overhead_s = 0.0                    # seconds of the loop's own work after steps
+        self.kv = engine.kv_counts()             # after the latest step (for /metrics)
+        self._inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()            # guards _pending (handlers vs. the loop)
+        self._pending = 0                        # submitted, not yet added to the engine
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    # --- the handlers' side (any thread; ``submit`` on the event loop) ---------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Accept ``req`` (RequestError if it can never run, QueueFull if the queue is full) and
+        return the queue its events will arrive on. Call from the event loop."""
+        self.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
+        handle = Handle(req, asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:   # the loop's last drain takes this lock too: no request is left behind
+            if self._stop.is_set():
+                raise ShuttingDown("the server is shutting down")
+            waiting = self._pending + self.engine.num_waiting()
+            if waiting >= self.max_waiting:
+                self.metrics.rejected += 1
+                raise QueueFull(f"{waiting} requests are already waiting (max_waiting="
+                                f"{self.max_waiting}): try again later")
+            self._pending += 1
+            req.arrival_time = time.perf_counter()
+            self._inbox.put(("add", handle))
+        self.metrics.observe_accepted(req.prompt_len)
+        return handle.queue
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (a client went away); its final event is a ``done`` with reason
+        ``abort``. Aborting a request that already finished does nothing."""
+        self._inbox.put(("abort", request_id))
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the loop thread between two steps (to read the engine safely)."""
+        self._inbox.put(("call", fn))
+
+    def num_waiting(self) -> int:
+        return self._pending + self.engine.num_waiting()
+
+    def num_running(self) -> int:
+        return self.engine.num_running()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current step (returns at once); requests still in
+        flight then get an error event, so their streams end instead of holding a shutdown."""
+        self._stop.set()
+        self._inbox.put(("stop", None))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """``stop`` and wait for the loop thread to end."""
+        self.stop()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the loop thread -------------------------------------------------------------------------
+    def _main(self) -> None:
+        with self.engine._exclusive():    # an offline run() from another thread waits for us
+            try:
+                while not self._stop.is_set():
+                    self._drain_inbox(block=not self.engine.has_unfinished())
+                    if self.engine.has_unfinished() and not self._stop.is_set():
+                        self._step()
+            finally:
+                self._fail_all("the server is shutting down", drain_inbox=True)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, op: str, arg) -> None:
+        if op == "add":
+            with self._lock:
+                self._pending -= 1
+            try:
+                self.engine.add_request(arg.request)
+            except Exception as e:  # noqa: BLE001 - e.g. an id already in flight: this one fails
+                arg.push(Event("error", error=str(e) if isinstance(e, RequestError) else
+                               f"engine error: {type(e).__name__}: {e}"))
+                return
+            arg.request.added_step = self.step_count
+            self.handles[arg.request.request_id] = arg
+        elif op == "abort":
+            try:
+                self.engine.abort(arg)   # False if it already finished: nothing to do
+            except Exception:  # noqa: BLE001 - the request then simply runs to its end
+                log.exception("abort of %s failed", arg)
+        elif op == "call":
+            try:
+                arg()
+            except Exception:  # noqa: BLE001 - a dashboard bug must not stop serving
+                log.exception("call_soon callback failed")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
+            log.exception("engine step failed")
+            self.num_engine_errors += 1
+            self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            return
+        t1 = time.perf_counter()
+        self.step_count += 1
+        self.engine.step_count = self.engine.total_steps = self.step_count
+        self._publish(out)
+        self.kv = self.engine.kv_counts()   # /metrics reads this copy, never the live engine
+        for hook in self.on_step:
+            try:
+                hook(self, out)
+            except Exception:  # noqa: BLE001 - a dashboard bug must not stop serving
+                log.exception("on_step hook failed")
+        # what serving adds to each step (handing tokens out, metrics, dashboard), apart from
+        # the engine's own step: /metrics exposes both totals
+        self.engine_step_s += t1 - t0
+        self.overhead_s += time.perf_counter() - t1
+
+    def _publish(self, out: StepOutput) -> None:
+        now = time.perf_counter()
+        gaps, num_new = [], 0
+        finished = {r.request_id for r in out.finished}
+        for rid, handle in list(self.handles.items()):
+            if rid in finished:
+                continue
+            new = self._new_tokens(handle, self._live_samples(handle.request))
+            if new:
+                num_new += sum(map(len, new.values()))
+                if handle.last_token_time is not None:
+                    gaps.append(now - handle.last_token_time)
+                handle.last_token_time = now
+                handle.push(Event("tokens", tokens=new))
+        for req in out.finished:
+            handle = self.handles.pop(req.request_id, None)
+            if handle is None:
+                continue
+            new = self._new_tokens(handle, req.samples or [req.output_token_ids])
+            num_new += sum(map(len, new.values()))
+            if new:
+                handle.push(Event("tokens", tokens=new))
+            o = RequestOutput.from_request(req)
+            self.metrics.observe_finished(req.finish_reason.value, o.ttft_s, o.latency_s,
+                                          len(o.token_ids))
+            handle.push(Event("done", request=req))
+        self.metrics.observe_step(gaps, num_new)
+
+    def _live_samples(self, req: Request) -> list[list[int]]:
+        """Each sample's tokens so far, by sample index (n > 1: the scheduler's sequences)."""
+        if req.params.n == 1:
+            return [req.output_token_ids]
+        group = getattr(self.engine, "groups", {}).get(req.request_id)
+        if group is None:
+            return []
+        seqs = sorted(group.seqs + group.done_seqs, key=lambda s: s.sample_id)
+        return [s.output_token_ids for s in seqs]
+
+    @staticmethod
+    def _new_tokens(handle: Handle, samples: list[list[int]]) -> dict[int, list[int]]:
+        new = {}
+        for i, ids in enumerate(samples):
+            sent = handle.sent.get(i, 0)
+            if len(ids) > sent:
+                new[i] = list(ids[sent:])
+                handle.sent[i] = len(ids)
+        return new
+
+    def _fail_all(self, message: str, drain_inbox: bool = False) -> None:
+        """End every request in flight with ``message`` and give all KV memory back; at shutdown
+        (``drain_inbox``) also those submitted but never added."""
+        try:
+            self.engine.reset()
+        except Exception:  # noqa: BLE001 - still tell every client
+            log.exception("engine reset failed")
+        self.kv = self.engine.kv_counts()
+        handles, self.handles = self.handles, {}
+        if drain_inbox:
+            with self._lock:   # ``submit`` checks the stop flag under this lock: none come later
+                self._stop.set()
+        while drain_inbox:
+            try:
+                op, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op == "add":
+                with self._lock:
+                    self._pending -= 1
+                handles[arg.request.request_id] = arg
+        for handle in handles.values():
+            handle.push(Event("error", error=message))

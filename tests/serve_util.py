@@ -1,0 +1,54 @@
+"""A minillm server on 127.0.0.1 at a free port, in a background thread, for the serving tests."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from minillm import LLM
+from minillm.serve.app import StoppingServer, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(llm: LLM, **app_options):
+    """Yield ``(base_url, app)`` while uvicorn serves ``create_app(llm)``; stop it afterwards
+    (``app.state.server`` is the ``StoppingServer``, for tests that stop it themselves)."""
+    app = create_app(llm, **app_options)
+    port = free_port()
+    server = StoppingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on", timeout_graceful_shutdown=5))
+    app.state.server = server
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "the test server did not stop"
+
+
+def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll ``condition`` (bounded in time and count); fail with ``what`` if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(100_000):
+        if condition():
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

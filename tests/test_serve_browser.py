@@ -1,0 +1,82 @@
+"""The serving dashboard in a real browser: headless Chromium (Debian's, driven by Selenium) opens
+``/dashboard`` while streaming clients load the server, and must show it live: the running batch
+(one row per request, growing token by token), the waiting queue, the step counter moving, the KV
+pool filling; and, once the clients hang up, everything back to empty.
+
+The load is under the test's control (long requests that the clients close when the test is done
+looking), so nothing here depends on how fast the machine is. Screenshots land in
+``$MINILLM_BROWSER_SHOTS`` (default: the test's tmp folder).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from minillm import LLM
+from serve_util import running_server, wait_until
+from test_browser import browser  # noqa: F401 - the headless Chromium fixture
+
+pytestmark = pytest.mark.slow
+
+MAX_NUM_SEQS, CLIENTS = 4, 6
+
+DOM_STATE = """
+const n = (id) => Number(document.getElementById(id).textContent);
+return {status: document.getElementById('status').textContent, step: n('step'),
+        rows: [...document.querySelectorAll('#running tr.req')].map(
+            (tr) => Number(tr.children[2].textContent)),
+        waiting: document.querySelectorAll('#waiting .chip').length,
+        kv: document.getElementById('kvtitle').textContent, finished: n('nfin')};
+"""
+
+
+def stream_until(url: str, prompt: str, stop: threading.Event, seen: list) -> None:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            seen.append(line)
+            if stop.is_set():
+                break   # hang up: the server must abort the request and free its blocks
+
+
+def test_dashboard_updates_live(tiny, browser, tmp_path):  # noqa: F811
+    shots = Path(os.environ.get("MINILLM_BROWSER_SHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    llm = LLM(tiny, engine="paged", num_blocks=1100, max_num_seqs=MAX_NUM_SEQS)
+    with running_server(llm) as (url, app):
+        browser.get(f"{url}/dashboard")
+        state = lambda: browser.execute_script(DOM_STATE)  # noqa: E731
+        wait_until(lambda: state()["status"] == "live", 30, "the page to connect")
+        assert state()["rows"] == [] and " 0 token slots" in state()["kv"]
+
+        stop, seen = threading.Event(), []
+        clients = [threading.Thread(target=stream_until, args=(url, f"client {i}", stop, seen))
+                   for i in range(CLIENTS)]
+        for t in clients:
+            t.start()
+        try:
+            wait_until(lambda: len(state()["rows"]) == MAX_NUM_SEQS
+                       and state()["waiting"] == CLIENTS - MAX_NUM_SEQS, 30,
+                       "a full running batch and the rest waiting")
+            first = state()
+            wait_until(lambda: state()["step"] > first["step"]
+                       and max(state()["rows"]) > max(first["rows"]), 30,
+                       "the step counter and the rows to grow")
+            assert " 0 token slots" not in state()["kv"]
+            (shots / "serve_dashboard.png").write_bytes(browser.get_screenshot_as_png())
+        finally:
+            stop.set()
+            for t in clients:
+                t.join(60)
+        wait_until(lambda: not state()["rows"] and state()["waiting"] == 0
+                   and " 0 token slots" in state()["kv"], 30,
+                   "the batch, the queue and the pool empty after the clients hung up")
+        assert state()["finished"] == CLIENTS     # every request ended exactly once (aborted)
+        bm = app.state.loop.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        assert seen, "the clients received tokens"
