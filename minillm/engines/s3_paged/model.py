@@ -108,3 +108,34 @@ class PagedLlama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a next token are projected: the vocab matmul is expensive."""
         return F.linear(hidden, self.lm_head).float()
+
+    # --- pieces of ``forward`` for pipeline parallelism (step 6, minillm/engines/s6_pipeline) ----
+    # Each pipeline stage runs only its slice of the layers: the first embeds, the last applies
+    # the final norm. The layer loop below is ``forward``'s loop over ``layers[start:end]``; the
+    # pipeline tests check it token for token against ``forward`` (through the paged engine).
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def forward_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend, start: int,
+                       end: int) -> torch.Tensor:
+        """Hidden states [T, hidden] after layers [start, end); ``kv_caches`` holds the pools of
+        those layers only (``kv_caches[0]`` is layer ``start``'s)."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        for w, (k_cache, v_cache) in zip(self.layers[start:end], kv_caches):
+            x = self.rms_norm(h, w.input_norm)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qk = self.rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
+            with record_function("minillm::attention"):
+                attn = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(-1, H * D), w.o)
+            x = self.rms_norm(h, w.post_norm)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down)
+        return h
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self.rms_norm(h, self.final_norm)
