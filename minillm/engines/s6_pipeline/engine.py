@@ -37,7 +37,7 @@ from ..s3_paged.model import PagedLlama
 from ..s3_paged.scheduler import SchedulerOutput
 from ..s3_paged.sequence import Sequence
 from .comm import PipelineError
-from .launcher import WorkerGroup, launch
+from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
 from .stage import StageConfig, StageRunner
 from .timeline import Event, format_summary
 
@@ -73,7 +73,8 @@ class PipelineEngine(PagedEngine):
                            world if num_microbatches is None else num_microbatches, 1)
         threads = check_int("worker_threads", worker_threads, 1)
         timeout = check_int("pipeline_timeout_s", pipeline_timeout_s, 1)
-        if group is None and model.device.type != "cpu":
+        torchrun = group is None and under_torchrun()   # one process per rank, from torchrun
+        if group is None and not torchrun and model.device.type != "cpu":
             raise ValueError("spawning pipeline workers works on one CPU machine; on GPUs start "
                              "one process per GPU with torchrun (see the README)")
         from .. import get_attention_backend
@@ -84,6 +85,8 @@ class PipelineEngine(PagedEngine):
                          runner=_NOT_YET)
         net = PagedLlama(model.hf_model)
         config = StageConfig(world, self.block_manager.num_blocks, block_size, attention_backend)
+        if torchrun:
+            group = torchrun_group(timeout, model.device)
         self.group = group or launch(net, world, timeout, threads)
         self.comm = self.group.comm
         self._finalizer = weakref.finalize(self, self.group.close)   # workers never outlive us
@@ -127,12 +130,16 @@ class PipelineEngine(PagedEngine):
     def _schedule(self, busy: set[int]) -> SchedulerOutput:
         """A scheduler step over the running requests not in flight: those are hidden from it
         for the call (so it neither schedules nor preempts them) and count against
-        ``max_num_seqs``."""
+        ``max_num_seqs``. New requests are admitted up to an even share of the requests in the
+        engine: otherwise the first micro-batch would take them all and leave the others empty
+        (and the pipeline would run one micro-batch at a time). With one micro-batch the share
+        is everything: exactly step 3's schedule."""
         sched = self.scheduler
         hidden = [g for g in sched.running if id(g) in busy]
         sched.running = [g for g in sched.running if id(g) not in busy]
         limit = sched.max_num_seqs
-        sched.max_num_seqs = limit - len(hidden)
+        share = -(-len(self.groups) // self.num_microbatches)
+        sched.max_num_seqs = min(limit - len(hidden), share)
         try:
             return sched.schedule()
         finally:

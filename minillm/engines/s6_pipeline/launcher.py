@@ -11,6 +11,7 @@ spawn: ``run_worker`` is what ranks 1..P-1 run, and ``group_from_env`` joins the
 """
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import sys
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..s3_paged.model import PagedLlama
-from .comm import Comm, PipelineError, new_group
+from .comm import Comm, PipelineError, group_from_env, new_group
 from .stage import StageConfig, StageRunner, serve
 
 HOST = "127.0.0.1"
@@ -139,3 +140,36 @@ def run_worker(comm: Comm, net: PagedLlama) -> None:
     runner = StageRunner(net, comm.rank, config, backend, comm.device, net.embed.dtype)
     serve(comm, runner)
     comm.close()
+
+
+# --- under torchrun: one process per rank, started by torchrun on each machine -------------------
+def under_torchrun() -> bool:
+    """torchrun (torch.distributed.elastic) sets these for every process it starts."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def torchrun_device(model_device: torch.device | None = None) -> torch.device:
+    """One GPU per process on CUDA (LOCAL_RANK picks it), the CPU otherwise."""
+    if torch.cuda.is_available() and (model_device is None or model_device.type == "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def torchrun_group(timeout_s: float, device: torch.device) -> WorkerGroup:
+    return WorkerGroup(group_from_env(device, timeout_s))
+
+
+def torchrun_worker(model_name: str, timeout_s: float = 60.0) -> int:
+    """What ``python -m minillm generate --pipeline-parallel N`` runs on ranks 1..N-1 under
+    torchrun: load the same model, join the group, serve until rank 0 says "stop"."""
+    from ...models import load_model
+
+    device = torchrun_device()
+    model = load_model(model_name, device)
+    comm = group_from_env(device, timeout_s)
+    try:
+        run_worker(comm, PagedLlama(model.hf_model))
+    except PipelineError as e:
+        print(f"[minillm pipeline] {e}", file=sys.stderr)
+        return 1
+    return 0
