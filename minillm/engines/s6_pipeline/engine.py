@@ -163,9 +163,10 @@ class PipelineEngine(PagedEngine):
         with timeline.span("compute", index):
             hidden = self.runner.compute(inputs, ids)
         try:   # every rank must see all of a micro-batch or none of it
-            for rank in range(1, self.comm.world_size):
-                self.comm.send_object(inputs, rank)
-            self.comm.isend(hidden, 1)
+            with timeline.span("send", index):    # pickling the metadata, starting the sends
+                for rank in range(1, self.comm.world_size):
+                    self.comm.send_object(inputs, rank)
+                self.comm.isend(hidden, 1)
         except BaseException as e:
             self.broken = self.group.failure(e if isinstance(e, Exception) else PipelineError(
                 "interrupted while sending a micro-batch"))
@@ -198,6 +199,11 @@ class PipelineEngine(PagedEngine):
         out.num_prefill_tokens = mb.split.num_prefill_tokens
         out.num_decode_tokens = mb.split.num_decode_tokens
         out.batch_size = mb.split.batch_size
+
+    def record(self, *args, **kwargs):
+        """Step 3's per-step record (memory counts...): rank 0's host work, timed as such."""
+        with self.comm.timeline.span("schedule"):
+            return super().record(*args, **kwargs)
 
     def _alive(self, seq: Sequence) -> bool:
         group = self.groups.get(seq.request.request_id)

@@ -115,8 +115,9 @@ def plot_gantt(events: list[Event], ax=None, title: str = ""):
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right",
-              ncols=4, fontsize="small")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()]
+              + [Patch(facecolor="white", edgecolor="gray", label="idle")],
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small")
     bubble = bubble_fraction(events)
     ax.set_title(f"{title}  bubble fraction {bubble:.0%}".strip())
     return ax
