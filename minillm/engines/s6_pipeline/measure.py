@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...metrics import RunMetrics
 from ...workload import make_workload, to_requests
 from .timeline import Event, RankSummary, format_summary, summarize
 
@@ -24,10 +25,17 @@ from .timeline import Event, RankSummary, format_summary, summarize
 class Measurement:
     label: str
     microbatches: int           # 0: the single-process paged engine
-    output_tok_s: float
-    duration_s: float
+    metrics: RunMetrics
     tokens: list[list[int]]
     events: list[Event]
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.metrics.output_tok_s
+
+    @property
+    def duration_s(self) -> float:
+        return self.metrics.duration_s
 
     @property
     def ranks(self) -> list[RankSummary]:
@@ -45,22 +53,23 @@ def run_pipeline(llm, items, microbatches: list[int]) -> list[Measurement]:
         engine.clear_timeline()
         result = llm.run(to_requests(llm, items))
         out.append(Measurement(f"{engine.comm.world_size} stages, {mb} in flight", mb,
-                               result.metrics.output_tok_s, result.metrics.duration_s,
-                               [o.token_ids for o in result.outputs], engine.timeline()))
+                               result.metrics, [o.token_ids for o in result.outputs],
+                               engine.timeline()))
     return out
 
 
 def run_single(llm, items) -> Measurement:
     llm.run(to_requests(llm, items[:2]))
     result = llm.run(to_requests(llm, items))
-    return Measurement("single process", 0, result.metrics.output_tok_s,
-                       result.metrics.duration_s, [o.token_ids for o in result.outputs], [])
+    return Measurement("single process", 0, result.metrics,
+                       [o.token_ids for o in result.outputs], [])
 
 
 def report(runs: list[Measurement]) -> str:
     lines = []
     for m in runs:
-        lines.append(f"== {m.label}: {m.output_tok_s:.1f} output tok/s, {m.duration_s:.2f} s")
+        lines.append(f"== {m.label}: {m.output_tok_s:.1f} output tok/s, {m.duration_s:.2f} s, "
+                     f"time per output token p50 {m.metrics.tpot_p50_s * 1000:.0f} ms")
         if m.events:
             lines.append(format_summary(m.events))
     return "\n".join(lines)

@@ -130,7 +130,7 @@ def serve(comm: Comm, runner: StageRunner) -> None:
             timeline.clear()
             continue
         if msg == "timeline":
-            comm.send_object(timeline.events, 0)
+            comm.send_object(list(timeline.events), 0)
             continue
         inputs: StepInputs = msg.to(comm.device)
         mb = inputs.microbatch

@@ -14,6 +14,7 @@ different machines can be compared (as well as their clocks agree).
 from __future__ import annotations
 
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,9 +35,11 @@ class Event:
 class Timeline:
     """One rank's recorder; ``span`` is cheap enough to leave on (two clock reads)."""
 
+    MAX_EVENTS = 200_000   # a long-running server keeps the most recent ones only
+
     def __init__(self, rank: int):
         self.rank = rank
-        self.events: list[Event] = []
+        self.events: deque[Event] = deque(maxlen=self.MAX_EVENTS)
 
     @contextmanager
     def span(self, kind: str, microbatch: int = -1):
