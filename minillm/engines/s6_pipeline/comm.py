@@ -27,6 +27,13 @@ import torch.distributed as dist
 from .timeline import Timeline
 
 TAG_DATA, TAG_META = 0, 1
+# How long a worker waits for rank 0's next message. An idle engine (a server between requests,
+# a notebook between cells) must not lose its workers; a rank 0 that *dies* closes its sockets,
+# which ends this wait at once, so only a live but silent rank 0 is waited for this long.
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+# Forming the group waits for every rank to start (a spawned process imports torch: slow on a
+# busy machine), so it gets its own bound; waits between running ranks get ``timeout_s``.
+CONNECT_TIMEOUT_S = 300.0
 
 
 class PipelineError(RuntimeError):
@@ -52,12 +59,13 @@ class Comm:
         self.pending.append((self._call(lambda: self.pg.send([tensor], dst, tag), dst), tensor))
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int, tag: int = TAG_DATA,
-             what: str | None = "recv", microbatch: int = -1) -> torch.Tensor:
+             what: str | None = "recv", microbatch: int = -1,
+             timeout_s: float | None = None) -> torch.Tensor:
         """Receive a tensor of a known shape; the wait is recorded as ``what`` (None: not)."""
         out = torch.empty(shape, dtype=dtype, device=self.device)
         with self.timeline.span(what, microbatch) if what else nullcontext():
             work = self._call(lambda: self.pg.recv([out], src, tag), src)
-            self.wait(work, src)
+            self.wait(work, src, timeout_s)
         return out
 
     def prune(self) -> None:
@@ -73,9 +81,9 @@ class Comm:
                 self.wait(work, None)
         self.pending.clear()
 
-    def wait(self, work, peer: int | None) -> None:
+    def wait(self, work, peer: int | None, timeout_s: float | None = None) -> None:
         try:
-            work.wait(timedelta(seconds=self.timeout_s))
+            work.wait(timedelta(seconds=timeout_s or self.timeout_s))
         except Exception as e:   # gloo: the peer closed its socket, or the timeout passed
             who = f"rank {peer}" if peer is not None else "a peer"
             raise PipelineError(f"rank {self.rank}: lost {who} ({type(e).__name__}: "
@@ -93,8 +101,10 @@ class Comm:
         self.isend(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst, TAG_META)
         self.isend(data.to(self.device), dst, TAG_META)
 
-    def recv_object(self, src: int, what: str | None = "recv", microbatch: int = -1):
-        size = int(self.recv((1,), torch.int64, src, TAG_META, what, microbatch)[0])
+    def recv_object(self, src: int, what: str | None = "recv", microbatch: int = -1,
+                    timeout_s: float | None = None):
+        """``timeout_s`` bounds the wait for the object to *start* arriving (its length)."""
+        size = int(self.recv((1,), torch.int64, src, TAG_META, what, microbatch, timeout_s)[0])
         data = self.recv((size,), torch.uint8, src, TAG_META, what, microbatch)
         return pickle.loads(data.cpu().numpy().tobytes())
 
@@ -112,7 +122,7 @@ def new_group(rank: int, world_size: int, host: str, port: int, device: torch.de
     """Join a process group of its own (not torch's global default group, so that one process can
     hold several engines, and tests can start and stop them): gloo on CPU, NCCL on CUDA.
     Rank 0 passes the ``TCPStore`` it created (it hosts it); the others connect to it."""
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S))
     if store is None:
         store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
     store = dist.PrefixStore("minillm-pipeline", store)   # keys apart from torchrun's own
@@ -133,7 +143,8 @@ def group_from_env(device: torch.device, timeout_s: float) -> Comm:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = None
     if not agent_store and rank == 0:
-        store = dist.TCPStore(host, port, world, True, timeout=timedelta(seconds=timeout_s),
+        store = dist.TCPStore(host, port, world, True,
+                              timeout=timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S)),
                               wait_for_workers=False)
     elif not agent_store:
         time.sleep(0.5)   # let rank 0 start listening; the client also retries until the timeout

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..s3_paged.model import PagedLlama
-from .comm import Comm, PipelineError, group_from_env, new_group
+from .comm import CONNECT_TIMEOUT_S, Comm, PipelineError, group_from_env, new_group
 from .stage import StageConfig, StageRunner, serve
 
 HOST = "127.0.0.1"
@@ -86,7 +86,8 @@ class WorkerGroup:
 
 def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: int) -> WorkerGroup:
     """Spawn ranks 1..world_size-1 on this machine (CPU, gloo) and join the group as rank 0."""
-    store = dist.TCPStore(HOST, 0, world_size, True, timeout=timedelta(seconds=timeout_s),
+    start_s = max(timeout_s, CONNECT_TIMEOUT_S)   # importing torch in a worker can be slow
+    store = dist.TCPStore(HOST, 0, world_size, True, timeout=timedelta(seconds=start_s),
                           wait_for_workers=False)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
@@ -99,7 +100,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
     group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs)
     # Wait for every worker to have started (imports done) before forming the group: a worker
     # that dies on the way is reported now rather than after the group's whole timeout.
-    started, deadline = set(), time.monotonic() + timeout_s
+    started, deadline = set(), time.monotonic() + start_s
     while len(started) < world_size - 1:
         try:
             started.add(ready.get(timeout=0.1))
@@ -107,7 +108,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
             why = group.dead_worker()
             if why or time.monotonic() > deadline:
                 group.terminate()
-                raise PipelineError(why or f"pipeline workers did not start in {timeout_s} s")
+                raise PipelineError(why or f"pipeline workers did not start in {start_s} s")
     try:
         group.comm = new_group(0, world_size, HOST, store.port, torch.device("cpu"), timeout_s,
                                store)

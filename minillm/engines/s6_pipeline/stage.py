@@ -20,7 +20,7 @@ from ..s3_paged.attention import AttentionMetadata
 from ..s3_paged.model import PagedLlama
 from ..s3_paged.runner import ModelRunner, reaching_end
 from ..s3_paged.sequence import Sequence
-from .comm import Comm
+from .comm import IDLE_TIMEOUT_S, Comm
 from .timeline import Event
 
 # A test hook: "RANK:STEPS" makes worker RANK exit abruptly (os._exit(3)) after STEPS micro-batches.
@@ -122,7 +122,7 @@ def serve(comm: Comm, runner: StageRunner) -> None:
     timeline, steps = comm.timeline, 0
     while True:
         t = time.time()
-        msg = comm.recv_object(0, what=None)
+        msg = comm.recv_object(0, what=None, timeout_s=IDLE_TIMEOUT_S)
         if msg == "stop":
             comm.flush()
             return
