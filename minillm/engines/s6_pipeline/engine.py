@@ -46,11 +46,14 @@ _NOT_YET = object()   # the runner is built once the workers are up (see __init_
 
 @dataclass
 class MicroBatch:
+    """A scheduled step on its way through the ranks. The ``StepOutput`` of the engine step that
+    completes it reports its time through the whole pipeline (launch to logits back), split
+    between prefill and decode by token count as step 3 does (``PagedEngine._account``)."""
+
     index: int
-    sched: SchedulerOutput
     groups: set[int]              # id() of each SequenceGroup in it: not schedulable until back
     reached: list[Sequence]       # the sequences whose logits come back, in row order
-    split: StepOutput             # prefill/decode shares of the time (see PagedEngine._account)
+    split: StepOutput             # the prefill/decode shares (of 1 ms) and token counts
     t_launch: float
 
 
@@ -172,7 +175,7 @@ class PipelineEngine(PagedEngine):
                 "interrupted while sending a micro-batch"))
             raise
         self.comm.prune()
-        self.in_flight.append(MicroBatch(index, sched, groups, reached, split, t))
+        self.in_flight.append(MicroBatch(index, groups, reached, split, t))
         self.num_launched += 1
         return True
 
