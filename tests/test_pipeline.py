@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillm import LLM, Request, SamplingParams
+from minillm import LLM, FinishReason, Request, SamplingParams
 from minillm.engines import create_engine
 from minillm.engines.s6_pipeline.comm import PipelineError
 from minillm.engines.s6_pipeline.engine import PipelineEngine
@@ -23,9 +24,9 @@ from minillm.engines.s6_pipeline.stage import EXIT_HOOK_ENV, split_layers
 from minillm.engines.s6_pipeline.timeline import KINDS, summarize
 from minillm.lab.reference import random_prompts
 
-ROOMY = dict(block_size=16)
-# Tight: 22 blocks of 4 tokens and 8 tokens a step force chunked prefill and preemption.
-TIGHT = dict(block_size=4, num_blocks=22, max_num_batched_tokens=8, enable_prefix_caching=True)
+ROOMY = dict(block_size=16, num_blocks=256)
+# Tight: 16 blocks of 4 tokens and 8 tokens a step force chunked prefill and preemption.
+TIGHT = dict(block_size=4, num_blocks=16, max_num_batched_tokens=8, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +59,21 @@ def samples(result):
     return [(o.token_ids, o.samples, o.finish_reason) for o in result.outputs]
 
 
+_REFERENCES: dict = {}
+
+
+def reference(tiny, **options):
+    """One single-process paged engine per set of options (an engine serves any number of runs)."""
+    key = tuple(sorted(options.items()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = create_engine("paged", tiny, **options)
+    return _REFERENCES[key]
+
+
 def assert_same_as_paged(engine, tiny, prompts, params, **paged_options):
     """Run the same requests on ``engine`` and on a single-process paged engine built with the
     same options; every output, every sample, must be equal, and the pool must be full again."""
-    ref = create_engine("paged", tiny, **paged_options).run(requests(prompts, params, "ref"))
+    ref = reference(tiny, **paged_options).run(requests(prompts, params, "ref"))
     got = engine.run(requests(prompts, params, "pp"))
     assert samples(got) == samples(ref)
     assert not engine.in_flight and not engine.groups
@@ -109,9 +121,9 @@ def test_two_stages_n_and_beams_equal_single_process(two, tiny):
 def test_preemption_and_prefix_caching_equal_single_process(two_tight, tiny, microbatches):
     two_tight.num_microbatches = microbatches
     prompts = shared_prefix_prompts(8, seed=72)
-    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=6, n=2,
-              temperature=1.0, seed=3, ignore_eos=True), SamplingParams(max_tokens=6, beam_width=2,
-              ignore_eos=True), SamplingParams(max_tokens=9, ignore_eos=True)] * 2
+    params = [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=5, n=2,
+              temperature=1.0, seed=3, ignore_eos=True), SamplingParams(max_tokens=5, beam_width=2,
+              ignore_eos=True), SamplingParams(max_tokens=7, ignore_eos=True)] * 2
     before = (two_tight.num_preemptions, two_tight.prefix_hit_tokens)
     assert_same_as_paged(two_tight, tiny, prompts, params, **TIGHT)
     assert two_tight.num_preemptions > before[0], "the tight pool must force preemption"
@@ -122,9 +134,9 @@ def test_preemption_and_prefix_caching_equal_single_process(two_tight, tiny, mic
 def test_three_stages_equal_single_process(three, tiny, microbatches):
     """tiny-llama has 2 layers: the third rank holds none, it applies the final norm and head."""
     three.num_microbatches = microbatches
-    prompts = shared_prefix_prompts(9, seed=73)
-    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=8, n=2,
-              temperature=1.0, seed=4), SamplingParams(max_tokens=6, beam_width=2)] * 3
+    prompts = shared_prefix_prompts(6, seed=73)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=5, n=2,
+              temperature=1.0, seed=4), SamplingParams(max_tokens=4, beam_width=2)] * 2
     before = (three.num_preemptions, three.prefix_hit_tokens)
     assert_same_as_paged(three, tiny, prompts, params, **TIGHT)
     assert three.num_preemptions > before[0] and three.prefix_hit_tokens > before[1]
@@ -170,15 +182,18 @@ def test_abort_in_flight_and_reset_keep_ranks_in_step(two, tiny):
     two.num_microbatches = 2
     prompts = random_prompts(6, seed=75)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    for r in requests(prompts, params, "ab"):
+    reqs, finals = requests(prompts, params, "ab"), Counter()
+    for r in reqs:
         two.add_request(r)
     for _ in range(3):
-        two.step()
-    assert two.abort("ab-0") and two.abort("ab-3")      # possibly while in flight
+        finals.update(r.request_id for r in two.step().finished)
+    assert two.in_flight, "micro-batches should be in flight now"
+    assert two.abort("ab-0") and two.abort("ab-3")      # while in flight
     for _ in range(2):
-        two.step()
-    dropped = two.reset()
-    assert {r.request_id for r in dropped} >= {"ab-1", "ab-2"}
+        finals.update(r.request_id for r in two.step().finished)
+    finals.update(r.request_id for r in two.reset())
+    assert finals == Counter(r.request_id for r in reqs), "every request ends exactly once"
+    assert reqs[0].finish_reason == reqs[3].finish_reason == FinishReason.ABORT
     assert not two.in_flight and two.block_manager.num_free_blocks == two.block_manager.num_blocks
     # the ranks are in step again: the next run is exact
     assert_same_as_paged(two, tiny, prompts[:3], SamplingParams(max_tokens=6), **ROOMY)
