@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import Counter
 
@@ -197,6 +198,26 @@ def test_abort_in_flight_and_reset_keep_ranks_in_step(two, tiny):
     assert not two.in_flight and two.block_manager.num_free_blocks == two.block_manager.num_blocks
     # the ranks are in step again: the next run is exact
     assert_same_as_paged(two, tiny, prompts[:3], SamplingParams(max_tokens=6), **ROOMY)
+
+
+@pytest.mark.parametrize("delay_s", [0.05, 0.2, 0.45])
+def test_real_ctrl_c_mid_run_leaves_ranks_in_step(two, tiny, delay_s):
+    """A real SIGINT at an arbitrary moment (mid-send, mid-receive, mid-compute): the run raises
+    KeyboardInterrupt, every request ends, the pool is full, and the next run is exact."""
+    two.num_microbatches = 2
+    reqs = requests(random_prompts(6, seed=78), SamplingParams(max_tokens=400, ignore_eos=True),
+                    f"int{delay_s}")
+    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            two.run(reqs)
+    finally:
+        timer.join()
+    assert all(r.finished for r in reqs) and not two.in_flight and not two.groups
+    assert two.block_manager.num_free_blocks == two.block_manager.num_blocks
+    assert_same_as_paged(two, tiny, random_prompts(3, seed=79), SamplingParams(max_tokens=5),
+                         **ROOMY)
 
 
 def test_llm_facade_and_bad_options(tiny):

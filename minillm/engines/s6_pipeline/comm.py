@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -38,6 +40,26 @@ CONNECT_TIMEOUT_S = 300.0
 
 class PipelineError(RuntimeError):
     """A pipeline rank died, timed out or broke the protocol; the engine cannot continue."""
+
+
+@contextmanager
+def deferred_interrupt():
+    """Hold Ctrl-C until the block ends. Sending a micro-batch to every rank, or receiving its
+    logits and forgetting it, must happen whole: interrupted halfway, rank 0's books and the
+    messages on the wire would disagree from then on. (Only the main thread gets SIGINT.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])           # Python's default handler raises KeyboardInterrupt
+        elif caught and previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 @dataclass

@@ -36,7 +36,7 @@ from ..s3_paged.engine import PagedEngine
 from ..s3_paged.model import PagedLlama
 from ..s3_paged.scheduler import SchedulerOutput
 from ..s3_paged.sequence import Sequence
-from .comm import PipelineError
+from .comm import PipelineError, deferred_interrupt
 from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
 from .stage import StageConfig, StageRunner
 from .timeline import Event, format_summary
@@ -124,7 +124,10 @@ class PipelineEngine(PagedEngine):
                 if not self.scheduler.running and self.scheduler.waiting and not out.finished:
                     raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
                 return out
-            self._complete(self.in_flight.popleft(), out)
+            with deferred_interrupt():   # the logits received <=> the micro-batch forgotten
+                mb = self.in_flight.popleft()
+                logits = self._receive(mb)
+            self._complete(mb, logits, out)
         except PipelineError as e:
             self.broken = self.group.failure(e)
             raise self.broken from None
@@ -165,17 +168,14 @@ class PipelineEngine(PagedEngine):
         t = time.perf_counter()
         with timeline.span("compute", index):
             hidden = self.runner.compute(inputs, ids)
-        try:   # every rank must see all of a micro-batch or none of it
-            with timeline.span("send", index):    # pickling the metadata, starting the sends
-                for rank in range(1, self.comm.world_size):
-                    self.comm.send_object(inputs, rank)
-                self.comm.isend(hidden, 1)
-        except BaseException as e:
-            self.broken = self.group.failure(e if isinstance(e, Exception) else PipelineError(
-                "interrupted while sending a micro-batch"))
-            raise
+        # Every rank must see all of a micro-batch or none of it, and rank 0 must know it is in
+        # flight: Ctrl-C waits until all that is done.
+        with deferred_interrupt(), timeline.span("send", index):
+            for rank in range(1, self.comm.world_size):
+                self.comm.send_object(inputs, rank)
+            self.comm.isend(hidden, 1)
+            self.in_flight.append(MicroBatch(index, groups, reached, split, t))
         self.comm.prune()
-        self.in_flight.append(MicroBatch(index, groups, reached, split, t))
         self.num_launched += 1
         return True
 
@@ -186,9 +186,8 @@ class PipelineEngine(PagedEngine):
         return self.comm.recv((len(mb.reached), vocab), torch.float32,
                               self.comm.world_size - 1, microbatch=mb.index)
 
-    def _complete(self, mb: MicroBatch, out: StepOutput) -> None:
-        """The logits of ``mb`` come back: sample and commit them, exactly as step 3 does."""
-        logits = self._receive(mb)
+    def _complete(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
+        """The logits of ``mb`` came back: sample and commit them, exactly as step 3 does."""
         with self.comm.timeline.span("schedule", mb.index):
             # A request aborted while in flight is gone: its rows are dropped.
             keep = [i for i, s in enumerate(mb.reached) if self._alive(s)]
@@ -219,7 +218,8 @@ class PipelineEngine(PagedEngine):
         if self.broken is None:
             try:
                 while self.in_flight:
-                    self._receive(self.in_flight.popleft())
+                    with deferred_interrupt():
+                        self._receive(self.in_flight.popleft())
             except PipelineError as e:
                 self.broken = self.group.failure(e)
         self.in_flight.clear()
