@@ -69,7 +69,8 @@ class PipelineEngine(PagedEngine):
                  group: WorkerGroup | None = None):
         """``pipeline_parallel_size`` ranks (>= 2); up to ``num_microbatches`` in flight (default:
         one per rank). Without ``group``, ranks 1.. are spawned on this machine (CPU, gloo), each
-        with ``worker_threads`` torch threads; under torchrun, ``group`` is the joined group.
+        with ``worker_threads`` torch threads; under torchrun (RANK, WORLD_SIZE... set) this
+        process joins torchrun's ranks instead (threads: OMP_NUM_THREADS, which torchrun sets).
         ``pipeline_timeout_s`` bounds every wait: a silent peer becomes an error, not a hang."""
         world = check_int("pipeline_parallel_size", pipeline_parallel_size, 2)
         num_mb = check_int("num_microbatches",

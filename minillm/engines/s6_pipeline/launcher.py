@@ -37,6 +37,7 @@ class WorkerGroup:
 
     comm: Comm
     processes: dict[int, object] = field(default_factory=dict)   # rank -> multiprocessing.Process
+    store: object = None          # the TCPStore rank 0 hosts: it must live as long as the group
     closed: bool = False
 
     def dead_worker(self) -> str | None:
@@ -97,7 +98,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
                                   args=(rank, world_size, store.port, net, timeout_s,
                                         worker_threads, ready), daemon=True)
         procs[rank].start()
-    group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs)
+    group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs, store)
     # Wait for every worker to have started (imports done) before forming the group: a worker
     # that dies on the way is reported now rather than after the group's whole timeout.
     started, deadline = set(), time.monotonic() + start_s
@@ -114,7 +115,6 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
                                store)
     except Exception as e:
         raise group.failure(e) from None
-    group.store = store            # rank 0 hosts the store: it must live as long as the group
     return group
 
 
