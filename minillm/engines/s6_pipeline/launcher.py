@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -122,6 +123,7 @@ def worker_main(rank: int, world_size: int, port: int, net: PagedLlama, timeout_
                 threads: int, ready) -> None:
     """A spawned worker: join the group, then serve until "stop" (exit 0) or a failure (exit 1)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle, not ours
+    exit_with_parent()
     torch.set_num_threads(threads)
     ready.put(rank)
     try:
@@ -130,6 +132,18 @@ def worker_main(rank: int, world_size: int, port: int, net: PagedLlama, timeout_
     except PipelineError as e:
         print(f"[minillm pipeline] {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """A spawned worker never outlives rank 0, even one killed outright (SIGKILL runs no clean-up
+    and sends no "stop"): once its parent is gone, the worker exits within ``poll_s``."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+    threading.Thread(target=watch, name="minillm-parent-watch", daemon=True).start()
 
 
 def run_worker(comm: Comm, net: PagedLlama) -> None:
