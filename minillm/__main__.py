@@ -201,7 +201,8 @@ def fail(message: str) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if getattr(args, "pipeline_parallel_size", None) and int(os.environ.get("RANK", 0)) > 0:
+    pipeline = getattr(args, "pipeline_parallel_size", None) or args.engine == "pipeline"
+    if pipeline and int(os.environ.get("RANK", 0)) > 0:
         # Step 6 under torchrun: ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
         # the prompts, schedules and writes --out.
         from .engines.s6_pipeline.launcher import torchrun_worker
