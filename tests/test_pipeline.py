@@ -265,6 +265,18 @@ def test_worker_exiting_mid_run_in_three_stages(tiny, monkeypatch):
         engine.run(reqs)
     assert not any(p.is_alive() for p in procs.values())   # rank 2 was stopped too
     assert all(r.finished for r in reqs)
+    engine.close()
+    with pytest.raises(PipelineError, match="exited with code 3"):   # the first error stays
+        engine.step()
+
+
+def test_closed_engine_says_so(tiny):
+    engine = PipelineEngine(tiny, pipeline_parallel_size=2)
+    procs = list(engine.group.processes.values())
+    engine.close()
+    assert all(p.exitcode == 0 for p in procs)        # stopped politely, not killed
+    with pytest.raises(PipelineError, match="closed"):
+        engine.step()
 
 
 def free_port() -> int:

@@ -229,6 +229,8 @@ class PipelineEngine(PagedEngine):
     def close(self) -> None:
         """Stop the workers (also done when the engine is garbage-collected)."""
         self._finalizer()
+        self.broken = self.broken or PipelineError("this pipeline engine is closed: its workers "
+                                                   "are stopped")
 
     def _workers(self):
         if self.broken is not None:
