@@ -42,6 +42,12 @@ OPTION_HELP = {
     "policy": "paged: scheduling order (fcfs, priority)",
     "attention_backend": "paged: attention backend, torch, cpp or triton (default: triton on CUDA, "
                          "cpp on CPU where a C++ compiler builds it, else torch)",
+    # step 6, pipeline parallelism (--pipeline-parallel N selects the pipeline engine)
+    "pipeline_parallel_size": "pipeline: number of stages (processes), >= 2",
+    "num_microbatches": "pipeline: micro-batches in flight (default: one per stage)",
+    "worker_threads": "pipeline: torch threads per spawned worker",
+    "pipeline_timeout_s": "pipeline: seconds any wait on another rank may take before it is an "
+                          "error",
 }
 
 
@@ -50,6 +56,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options (step 1-3)")
     for name, param in all_options().items():
         flags = ["--" + name.replace("_", "-")] + (["--attention"] if name == "attention_backend" else [])
+        flags += ["--pipeline-parallel"] if name == "pipeline_parallel_size" else []
         if isinstance(param.default, bool):
             g.add_argument(*flags, dest=name, action="store_true", default=None,
                            help=OPTION_HELP[name])
@@ -195,6 +202,12 @@ def fail(message: str) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    pipeline = getattr(args, "pipeline_parallel_size", None) or args.engine == "pipeline"
+    if pipeline and int(os.environ.get("RANK", 0)) > 0:
+        # Step 6 under torchrun: ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
+        # the prompts, schedules and writes --out.
+        from .engines.s6_pipeline.launcher import torchrun_worker
+        return torchrun_worker(args.model, args.pipeline_timeout_s or 60)
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                                   ("seed", args.seed)) if v is not None}
     try:

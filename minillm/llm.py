@@ -23,6 +23,8 @@ Prompt = Union[str, list, dict]
 class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, engine: str = "paged",
                  device: str | None = None, **engine_options):
+        if engine == "paged" and engine_options.get("pipeline_parallel_size") is not None:
+            engine = "pipeline"   # the paged engine cut into stages across processes (step 6)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
         self.model = model if isinstance(model, LoadedModel) else load_model(model, device)

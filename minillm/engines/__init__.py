@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from .base import Engine, RunResult, StepOutput
 
 # Constructor parameters that are plumbing, not user options.
-_INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "block_manager"}
+_INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "block_manager",
+             "group"}   # group: the pipeline's process group under torchrun (step 6)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("static", 1, "s1_static", "StaticBatchEngine"),
     EngineSpec("dynamic", 2, "s2_dynamic", "DynamicBatchEngine"),
     EngineSpec("paged", 3, "s3_paged.engine", "PagedEngine"),
+    EngineSpec("pipeline", 6, "s6_pipeline.engine", "PipelineEngine"),
 )}
 ENGINES = tuple(REGISTRY)
 

@@ -87,10 +87,27 @@ class PagedLlama:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
+        h = self.forward_layers(h, positions, meta, kv_caches, backend, 0, len(self.layers))
+        return self.final_hidden(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Only the rows that need a next token are projected: the vocab matmul is expensive."""
+        return F.linear(hidden, self.lm_head).float()
+
+    # --- the pieces of ``forward``; a pipeline stage (step 6, minillm/engines/s6_pipeline) runs
+    # only its slice of the layers: the first stage embeds, the last applies the final norm.
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def forward_layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend, start: int,
+                       end: int) -> torch.Tensor:
+        """Hidden states [T, hidden] after layers [start, end); ``kv_caches`` holds the pools of
+        those layers only (``kv_caches[0]`` is layer ``start``'s)."""
         cos, sin = self.cos[positions], self.sin[positions]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for w, (k_cache, v_cache) in zip(self.layers[start:end], kv_caches):
             x = self.rms_norm(h, w.input_norm)
             qkv = F.linear(x, w.qkv, w.qkv_bias)
             # q and k sit side by side in qkv: rotate all their heads in one go
@@ -103,8 +120,7 @@ class PagedLlama:
             x = self.rms_norm(h, w.post_norm)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w.down)
-        return self.rms_norm(h, self.final_norm)
+        return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Only the rows that need a next token are projected: the vocab matmul is expensive."""
-        return F.linear(hidden, self.lm_head).float()
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self.rms_norm(h, self.final_norm)

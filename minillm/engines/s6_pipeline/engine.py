@@ -1,0 +1,262 @@
+"""Step 6 — pipeline parallelism with dynamic batching, on torch.distributed (notebook 07).
+
+The model's layers are cut into P contiguous slices, one per process (rank). Rank 0 embeds the
+tokens and runs the first slice, each next rank the next slice, and the last rank applies the
+head; hidden states travel rank to rank by point-to-point messages (gloo on CPU, NCCL on CUDA).
+
+With one batch at a time, each rank would work 1/P of the time and wait the rest (the pipeline's
+*bubbles*). So rank 0 keeps up to ``num_microbatches`` micro-batches in flight: while rank 1
+computes micro-batch 3, rank 0 already computes micro-batch 4. Continuous batching works across
+them: each micro-batch is an ordinary scheduler step over the requests that are *not* in flight
+(a request's next token depends on its previous one, so it can be in one micro-batch at a time);
+a new request joins whichever micro-batch is formed next, a finished one leaves when its tokens
+come back. Rank 0 owns the one ``Scheduler`` and ``BlockManager`` (step 3's, unchanged); every
+rank applies the block tables and slot mappings rank 0 sends it, so the KV pools stay in step.
+
+Exactness: the logits of the rows to sample come back to rank 0, which samples them with step 3's
+``Sampler`` and commits them with the scheduler's ``postprocess``: with one micro-batch in flight
+this engine makes exactly the single-process engine's steps, so its tokens are that engine's
+tokens (n > 1, beams, preemption and prefix caching included).
+
+Pipelining adds throughput, not latency: a request still passes through every layer in turn,
+plus a message per stage; what grows is how many tokens are computed per second overall.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ...request import check_int
+from ..base import StepOutput
+from ..s3_paged.engine import PagedEngine
+from ..s3_paged.model import PagedLlama
+from ..s3_paged.scheduler import SchedulerOutput
+from ..s3_paged.sequence import Sequence
+from .comm import PipelineError, deferred_interrupt
+from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
+from .stage import StageConfig, StageRunner
+from .timeline import Event, format_summary
+
+_NOT_YET = object()   # the runner is built once the workers are up (see __init__)
+
+
+@dataclass
+class MicroBatch:
+    """A scheduled step on its way through the ranks. The ``StepOutput`` of the engine step that
+    completes it reports its time through the whole pipeline (launch to logits back), split
+    between prefill and decode by token count as step 3 does (``PagedEngine._account``)."""
+
+    index: int
+    groups: set[int]              # id() of each SequenceGroup in it: not schedulable until back
+    reached: list[Sequence]       # the sequences whose logits come back, in row order
+    split: StepOutput             # the prefill/decode shares (of 1 ms) and token counts
+    t_launch: float
+
+
+class PipelineEngine(PagedEngine):
+    name = "pipeline"
+
+    def __init__(self, model, pipeline_parallel_size: int = 2, num_microbatches: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 1024,
+                 max_num_seqs: int = 64, enable_prefix_caching: bool = False,
+                 policy: str = "fcfs", attention_backend: str | None = None,
+                 worker_threads: int = 1, pipeline_timeout_s: int = 60,
+                 group: WorkerGroup | None = None):
+        """``pipeline_parallel_size`` ranks (>= 2); up to ``num_microbatches`` in flight (default:
+        one per rank). Without ``group``, ranks 1.. are spawned on this machine (CPU, gloo), each
+        with ``worker_threads`` torch threads; under torchrun (RANK, WORLD_SIZE... set) this
+        process joins torchrun's ranks instead (threads: OMP_NUM_THREADS, which torchrun sets).
+        ``pipeline_timeout_s`` bounds every wait: a silent peer becomes an error, not a hang."""
+        world = check_int("pipeline_parallel_size", pipeline_parallel_size, 2)
+        num_mb = check_int("num_microbatches",
+                           world if num_microbatches is None else num_microbatches, 1)
+        threads = check_int("worker_threads", worker_threads, 1)
+        timeout = check_int("pipeline_timeout_s", pipeline_timeout_s, 1)
+        torchrun = group is None and under_torchrun()   # one process per rank, from torchrun
+        if group is None and not torchrun and model.device.type != "cpu":
+            raise ValueError("spawning pipeline workers works on one CPU machine; on GPUs start "
+                             "one process per GPU with torchrun (see the README)")
+        from .. import get_attention_backend
+        backend = get_attention_backend(attention_backend, model.device)
+        # Every option is checked (by PagedEngine) before any process is started.
+        super().__init__(model, block_size, num_blocks, kv_cache_bytes, max_num_batched_tokens,
+                         max_num_seqs, enable_prefix_caching, policy, backend=backend,
+                         runner=_NOT_YET)
+        net = PagedLlama(model.hf_model)
+        config = StageConfig(world, self.block_manager.num_blocks, block_size, attention_backend)
+        if torchrun:
+            group = torchrun_group(timeout, model.device)
+        self.group = group or launch(net, world, timeout, threads)
+        self.comm = self.group.comm
+        self._finalizer = weakref.finalize(self, self.group.close)   # workers never outlive us
+        if self.comm.world_size != world:
+            self.close()
+            raise ValueError(f"pipeline_parallel_size={world} but the process group has "
+                             f"{self.comm.world_size} ranks")
+        try:
+            for rank in range(1, world):
+                self.comm.send_object(config, rank)
+        except PipelineError as e:
+            raise self.group.failure(e) from None
+        self.runner = StageRunner(net, 0, config, backend, model.device, model.dtype)
+        self.num_microbatches = num_mb
+        self.in_flight: deque[MicroBatch] = deque()
+        self.num_launched = 0
+        self.broken: PipelineError | None = None
+
+    # --- one step: fill the pipeline, then finish its oldest micro-batch ---------------------------
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self.in_flight)
+
+    def step(self) -> StepOutput:
+        if self.broken is not None:
+            raise self.broken
+        out = StepOutput(finished=self.aborted)
+        self.aborted = []
+        try:
+            while len(self.in_flight) < self.num_microbatches and self._launch():
+                pass
+            if not self.in_flight:
+                if not self.scheduler.running and self.scheduler.waiting and not out.finished:
+                    raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
+                return out
+            with deferred_interrupt():   # the logits received <=> the micro-batch forgotten
+                mb = self.in_flight.popleft()
+                logits = self._receive(mb)
+            self._complete(mb, logits, out)
+        except PipelineError as e:
+            self.broken = self.group.failure(e)
+            raise self.broken from None
+        return out
+
+    def _schedule(self, busy: set[int]) -> SchedulerOutput:
+        """A scheduler step over the running requests not in flight: those are hidden from it
+        for the call (so it neither schedules nor preempts them) and count against
+        ``max_num_seqs``. New requests are admitted up to an even share of the requests in the
+        engine: otherwise the first micro-batch would take them all and leave the others empty
+        (and the pipeline would run one micro-batch at a time). With one micro-batch the share
+        is everything: exactly step 3's schedule."""
+        sched = self.scheduler
+        hidden = [g for g in sched.running if id(g) in busy]
+        sched.running = [g for g in sched.running if id(g) not in busy]
+        limit = sched.max_num_seqs
+        share = -(-len(self.groups) // self.num_microbatches)
+        sched.max_num_seqs = min(limit - len(hidden), share)
+        try:
+            return sched.schedule()
+        finally:
+            sched.running += hidden
+            sched.max_num_seqs = limit
+
+    def _launch(self) -> bool:
+        """Form the next micro-batch, run the first stage, send it on. False: nothing to run."""
+        index, timeline = self.num_launched, self.comm.timeline
+        with timeline.span("schedule", index):
+            busy = {g for mb in self.in_flight for g in mb.groups}
+            sched = self._schedule(busy)
+            if not sched.scheduled:
+                return False
+            ids, inputs, reached = self.runner.prepare_step(sched.scheduled, sched.copies, index)
+            split = StepOutput()
+            self._account(split, sched, 1.0)
+            self.scheduler.commit_computed(sched)
+            groups = {id(self.groups[s.request.request_id]) for s, _ in sched.scheduled}
+        t = time.perf_counter()
+        with timeline.span("compute", index):
+            hidden = self.runner.compute(inputs, ids)
+        # Every rank must see all of a micro-batch or none of it, and rank 0 must know it is in
+        # flight: Ctrl-C waits until all that is done.
+        with deferred_interrupt(), timeline.span("send", index):
+            for rank in range(1, self.comm.world_size):
+                self.comm.send_object(inputs, rank)
+            self.comm.isend(hidden, 1)
+            self.in_flight.append(MicroBatch(index, groups, reached, split, t))
+        self.comm.prune()
+        self.num_launched += 1
+        return True
+
+    def _receive(self, mb: MicroBatch) -> torch.Tensor:
+        vocab = self.runner.net.lm_head.shape[0]
+        if not mb.reached:
+            return torch.empty((0, vocab))
+        return self.comm.recv((len(mb.reached), vocab), torch.float32,
+                              self.comm.world_size - 1, microbatch=mb.index)
+
+    def _complete(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
+        """The logits of ``mb`` came back: sample and commit them, exactly as step 3 does."""
+        with self.comm.timeline.span("schedule", mb.index):
+            # A request aborted while in flight is gone: its rows are dropped.
+            keep = [i for i, s in enumerate(mb.reached) if self._alive(s)]
+            if len(keep) != len(mb.reached):
+                logits = logits[keep]
+            reached = [mb.reached[i] for i in keep]
+            tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(reached))
+            out.finished += self.scheduler.postprocess(tokens, beam_logprobs)
+        ms = (time.perf_counter() - mb.t_launch) * 1000.0
+        out.prefill_ms, out.decode_ms = mb.split.prefill_ms * ms, mb.split.decode_ms * ms
+        out.num_prefill_tokens = mb.split.num_prefill_tokens
+        out.num_decode_tokens = mb.split.num_decode_tokens
+        out.batch_size = mb.split.batch_size
+
+    def record(self, *args, **kwargs):
+        """Step 3's per-step record (memory counts...): rank 0's host work, timed as such."""
+        with self.comm.timeline.span("schedule"):
+            return super().record(*args, **kwargs)
+
+    def _alive(self, seq: Sequence) -> bool:
+        group = self.groups.get(seq.request.request_id)
+        return group is not None and seq in group.seqs
+
+    # --- clean-up, timeline ---------------------------------------------------------------------
+    def reset(self):
+        """Drop every request; micro-batches in flight are received first (their results
+        discarded) so that every rank is between micro-batches again."""
+        if self.broken is None:
+            try:
+                while self.in_flight:
+                    with deferred_interrupt():
+                        self._receive(self.in_flight.popleft())
+            except PipelineError as e:
+                self.broken = self.group.failure(e)
+        self.in_flight.clear()
+        return super().reset()
+
+    def close(self) -> None:
+        """Stop the workers (also done when the engine is garbage-collected)."""
+        self._finalizer()
+        self.broken = self.broken or PipelineError("this pipeline engine is closed: its workers "
+                                                   "are stopped")
+
+    def _workers(self):
+        if self.broken is not None:
+            raise self.broken
+        if self.in_flight:
+            raise RuntimeError("the timeline is exchanged between runs, not with micro-batches "
+                               "in flight")
+        return range(1, self.comm.world_size)
+
+    def clear_timeline(self) -> None:
+        for rank in self._workers():
+            self.comm.send_object("clear", rank)
+        self.comm.timeline.clear()
+
+    def timeline(self) -> list[Event]:
+        """Every rank's events since the last ``clear_timeline`` (``timeline.py`` sums them up
+        and draws them)."""
+        events = list(self.comm.timeline.events)
+        try:
+            for rank in self._workers():
+                self.comm.send_object("timeline", rank)
+                events += self.comm.recv_object(rank, what=None)
+        except PipelineError as e:
+            self.broken = self.group.failure(e)
+            raise self.broken from None
+        return sorted(events, key=lambda e: (e.rank, e.start))
+
+    def timeline_summary(self) -> str:
+        return format_summary(self.timeline())
