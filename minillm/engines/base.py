@@ -60,7 +60,7 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.step_count = 0          # steps of the current (or last) run: each run counts from 1
         self.total_steps = 0         # every step this engine ever ran
-        # One run at a time: a second thread's run() waits for the first (see ``_exclusive``).
+        # One run at a time: a second thread's run() waits for the first (see ``exclusive``).
         self._run_lock = threading.Lock()
         self._run_thread: int | None = None
 
@@ -145,7 +145,7 @@ class Engine:
         clean for the next call. Calls from several threads are served one after another.
         """
         self.check_new_requests(requests)
-        with self._exclusive():
+        with self.exclusive():
             try:
                 return self._run(requests, on_step, progress, on_output)
             except BaseException:
@@ -170,7 +170,10 @@ class Engine:
             seen.add(req.request_id)
 
     @contextmanager
-    def _exclusive(self):
+    def exclusive(self):
+        """Hold the engine for one driver: ``run`` takes it, and so does the server's engine loop
+        (``minillm.serve.loop``) for as long as it serves; a second thread waits. Re-entering from
+        the same thread (a callback calling ``run``) is a ``RuntimeError``."""
         if self._run_thread == threading.get_ident():
             raise RuntimeError(f"engine {self.name!r} is already running on this thread: run() "
                                "and generate() cannot be called from inside their own callbacks")

@@ -146,7 +146,7 @@ class EngineLoop:
 
     # --- the loop thread -------------------------------------------------------------------------
     def _main(self) -> None:
-        with self.engine._exclusive():    # an offline run() from another thread waits for us
+        with self.engine.exclusive():    # an offline run() from another thread waits for us
             try:
                 while not self._stop.is_set():
                     self._drain_inbox(block=not self.engine.has_unfinished())
