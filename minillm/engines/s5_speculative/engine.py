@@ -51,7 +51,10 @@ class SpeculativeEngine(PagedEngine):
                                           self.block_manager.num_blocks)
         self.proposer = proposer
         self.run_stats = SpecStats()     # this run's totals (``run`` reports them)
-        self.trace: list[dict] | None = None   # set to [] to record each step's guesses (notebook)
+        # Notebook 06: set ``trace = []`` to record each verification (guesses, kept tokens) and,
+        # in ``verify_snapshots``, the pool at each step's fullest (before the rollback).
+        self.trace: list[dict] | None = None
+        self.verify_snapshots: list = []
 
     # --- proposing --------------------------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:
@@ -126,6 +129,10 @@ class SpeculativeEngine(PagedEngine):
             [(s, n) for s, n in sched.scheduled if s not in props], [], []))
         tokens, beams = self.sampler(logits[plain], self.scheduler.rows_to_sample(
             [s for s in reached if s not in props]))
+        for seq, g in props.items():     # the guesses' K/V are written: the pool at its fullest
+            seq.num_computed_tokens += len(g) + 1
+        if self.trace is not None:
+            self.verify_snapshots.append(self.snapshot())
         for seq, rows in spec.items():
             tokens.append((seq, self._verify(seq, props[seq], rows)))
         verify_ms = (time.perf_counter() - t1) * 1000.0
@@ -148,8 +155,7 @@ class SpeculativeEngine(PagedEngine):
                         min(len(kept), len(guesses)))
         stats = SpecStats(1, len(guesses), accepted, len(kept))
         self._strip(seq, guesses)
-        # computed now: everything up to the guesses' K/V; keep only the kept tokens' K/V
-        seq.num_computed_tokens = n_before + len(guesses)
+        # K/V written up to the last guess; keep only that of the newest token and kept guesses
         self.block_manager.truncate(seq, n_before + len(kept) - 1)
         if self.trace is not None:
             self.trace.append({"step": self.total_steps + 1, "request_id": seq.request.request_id,

@@ -1,0 +1,376 @@
+"""Step 5, speculative decoding: greedy output equals the plain paged engine token for token (and
+Hugging Face's), sampled output follows the target's distribution (chi-square) and does not depend
+on the batch for a fixed seed, and rollback keeps the block books exact (hypothesis)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_greedy_match, drain, hf_greedy, random_prompts
+from minillm import LLM, SamplingParams
+from minillm.engines import create_engine
+from minillm.engines.s3_paged.block_manager import BlockManager
+from minillm.engines.s3_paged.sequence import Sequence
+from minillm.engines.s5_speculative import SpeculativeConfig
+from minillm.engines.s5_speculative.proposers import DraftModelProposer, NgramProposer
+from minillm.engines.s5_speculative.rejection import accept_greedy, accept_sampled
+from minillm.lab.graders.test_03 import check_block_invariants
+from minillm.request import FinishReason, Request
+
+
+class OracleProposer:
+    """Guesses the reference's next tokens, wrong at a pseudo-random third of the positions: every
+    pattern of acceptance (none, some, all) happens, deterministically."""
+
+    def __init__(self, refs: dict[str, list[int]], wrong: int = 7):
+        self.refs, self.wrong = refs, wrong
+
+    def propose(self, seqs, k):
+        ks = [k] * len(seqs) if isinstance(k, int) else k
+        out = []
+        for s, k_s in zip(seqs, ks):
+            o = len(s.output_token_ids)
+            ref = self.refs.get(s.request.request_id, [])[o:o + k_s]
+            out.append([t if hash((s.request.request_id, o + j)) % 3 else (t + self.wrong) % 500
+                        for j, t in enumerate(ref)])
+        return out
+
+    def proposal_probs(self, seq):
+        return None
+
+    def reset(self):
+        pass
+
+
+def assert_pool_full(engine):
+    bm = engine.block_manager
+    check_block_invariants(bm, engine.scheduler.live_seqs())
+    assert bm.num_free_blocks == bm.num_blocks, "every block back in the pool"
+
+
+@pytest.fixture(scope="module")
+def case(tiny):
+    prompts = random_prompts(8, seed=5, lo=2, hi=30)
+    prompts[3] = prompts[0][:9] + prompts[3]             # shared prefixes for the prefix cache
+    prompts[5] = prompts[0] + prompts[5][:2]
+    lengths = [random.Random(i).randint(2, 30) for i in range(len(prompts))]
+    refs = [hf_greedy(tiny, p, k) for p, k in zip(prompts, lengths)]
+    return prompts, lengths, refs
+
+
+def run(llm, prompts, params):
+    """Requests named r0, r1, ... (the oracle finds its reference by id)."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    reqs = [Request(list(p), prm, request_id=f"r{i}") for i, (p, prm) in enumerate(zip(prompts, params))]
+    return reqs, llm.run(reqs)
+
+
+CONFIGS = {
+    "roomy": {},
+    "tight-pool": {"num_blocks": 14, "block_size": 4},                 # forces preemption
+    "prefix": {"enable_prefix_caching": True, "block_size": 4, "max_num_seqs": 2},
+    "prefix-tight": {"enable_prefix_caching": True, "block_size": 4, "num_blocks": 16},
+    "chunked": {"max_num_batched_tokens": 6, "block_size": 4},           # budget < 1 + k
+}
+
+
+@pytest.mark.parametrize("method,config", [(m, c) for c in CONFIGS for m in ("oracle", "draft", "ngram")
+                                           if c != "chunked" or m == "oracle"])
+def test_greedy_equals_paged_and_hf(tiny, case, method, config):
+    prompts, lengths, refs = case
+    params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths]
+    plain = LLM(tiny, engine="paged", **CONFIGS[config])
+    _, base = run(plain, prompts, params)
+    spec = LLM(tiny, engine="paged", speculative="draft" if method == "draft" else "ngram",
+               num_speculative_tokens=3, draft_layers=1, **CONFIGS[config])
+    if method == "oracle":
+        spec.engine.proposer = OracleProposer({f"r{i}": r.tokens for i, r in enumerate(refs)})
+    _, res = run(spec, prompts, params)
+    for i, (out, b, ref) in enumerate(zip(res.outputs, base.outputs, refs)):
+        assert out.finish_reason == FinishReason.LENGTH
+        assert out.token_ids == b.token_ids, f"{method}/{config} request {i} differs from paged"
+        assert_greedy_match(out.token_ids, ref, label=f"{method}/{config} request {i}")
+    stats = res.metrics.extra["speculative"]
+    assert stats["num_emitted"] <= res.metrics.output_tokens
+    if method == "oracle":
+        assert 0 < stats["num_accepted"] < stats["num_proposed"], stats
+        assert sum(o.spec.num_accepted for o in res.outputs if o.spec) == stats["num_accepted"]
+    if config == "tight-pool":
+        assert res.metrics.num_preemptions > 0, "the tight pool should preempt"
+    if config.startswith("prefix"):
+        assert res.steps[-1].prefix_hit_tokens > 0, "the shared prefixes should hit the cache"
+    assert_pool_full(spec.engine)
+
+
+def test_speculative_and_ordinary_requests_share_batches(tiny):
+    """n > 1 samples and beams decode normally beside speculating requests; every output equals
+    the plain paged engine's (a tight pool preempts them too)."""
+    prompts = random_prompts(6, seed=9, lo=3, hi=20)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=8, beam_width=2, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.8, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=9, ignore_eos=True),
+              SamplingParams(max_tokens=11, ignore_eos=True)]
+    opts = {"num_blocks": 20, "block_size": 4}
+    _, base = run(LLM(tiny, engine="paged", **opts), prompts, params)
+    spec = LLM(tiny, engine="paged+draft", draft_layers=2, num_speculative_tokens=4, **opts)
+    _, res = run(spec, prompts, params)
+    for i in (0, 1, 2, 4, 5):      # greedy and n > 1 / beams: the same tokens
+        assert res.outputs[i].samples == base.outputs[i].samples, f"request {i}"
+    assert res.outputs[1].spec is None and res.outputs[2].spec is None, "n > 1 / beams never speculate"
+    assert res.outputs[0].spec.acceptance_rate == 1.0, "a full-depth draft is the target itself"
+    assert res.metrics.num_preemptions > 0
+    assert_pool_full(spec.engine)
+
+
+# --- acceptance rules ------------------------------------------------------------------------------
+def test_accept_greedy():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accept_greedy([5, 9, 7], [5, 6, 7, 8]) == [5, 6]
+    assert accept_greedy([1], [2, 3]) == [2]
+    assert accept_greedy([], [4]) == [4]
+
+
+def chi2_pvalue(counts_a: list[int], counts_b: list[float]) -> float:
+    """Chi-square test of ``counts_a`` against expected counts (or a second sample's counts when
+    both are observed, as a 2 x m contingency table): the p-value via the incomplete gamma."""
+    a = torch.tensor(counts_a, dtype=torch.float64)
+    b = torch.tensor(counts_b, dtype=torch.float64)
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    total = a + b
+    ea, eb = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    stat = float((((a - ea) ** 2) / ea + ((b - eb) ** 2) / eb).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("q_kind", ["draft", "point"])
+def test_rejection_sampling_gives_the_target_distribution(q_kind):
+    """Two positions over a 5-token vocabulary, 4,000 seeds: the first token follows p(.) and the
+    second p(.|first), whatever the proposer's q; a deliberately wrong rule (always accept) fails."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, -0.5],
+                           [1.0, 0.0, 0.0, 2.0, 0.3]])
+    q = torch.softmax(torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 1.0]]), -1)
+    p = SamplingParams(temperature=1.0)
+    first, firsts_wrong = [0] * 5, [0] * 5
+    for seed in range(4000):
+        p.seed = seed
+        rng = random.Random(seed)
+        if q_kind == "draft":
+            guesses = [rng.choices(range(5), weights=q[j].tolist())[0] for j in range(2)]
+            kept = accept_sampled(guesses, q, logits, p, 0)
+        else:
+            guesses = [1, 3]
+            kept = accept_sampled(guesses, None, logits, p, 0)
+        first[kept[0]] += 1
+        firsts_wrong[guesses[0]] += 1
+    expected = (torch.softmax(logits[0], -1) * 4000).tolist()
+    assert chi2_pvalue(first, [round(e) for e in expected]) > 1e-3, (first, expected)
+    assert chi2_pvalue(firsts_wrong, [round(e) for e in expected]) < 1e-6, \
+        "the test must be able to tell a wrong distribution"
+
+
+class ArgmaxPointProposer(DraftModelProposer):
+    """The target's own argmax as a *certain* guess (q a point mass): exercises the n-gram
+    proposer's branch of rejection sampling with guesses that are often, not always, kept."""
+
+    @staticmethod
+    def _draw(logits, p, index):
+        return int(logits.argmax()), None
+
+    def proposal_probs(self, seq):
+        return None
+
+
+@pytest.mark.parametrize("proposer", ["draft", "point"])
+def test_sampled_outputs_follow_the_target_distribution(tiny, proposer):
+    """300 seeds of one prompt, top-k 3, four tokens: the distribution of tokens 2-4 with
+    speculation equals the plain engine's (chi-square, contingency table per position)."""
+    prompt = random_prompts(1, seed=12, lo=6, hi=6)[0]
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
+              for s in range(300)]
+    _, base = run(LLM(tiny, engine="paged", max_num_seqs=128), [prompt] * 300, params)
+    spec = LLM(tiny, engine="paged+draft", draft_layers=1, num_speculative_tokens=3,
+               max_num_seqs=128)
+    if proposer == "point":
+        spec.engine.proposer = ArgmaxPointProposer(spec.engine.runner, 2, spec.engine.block_manager.num_blocks)
+    _, res = run(spec, [prompt] * 300, [SamplingParams(**{**vars(p), "seed": p.seed + 10_000})
+                                        for p in params])
+    stats = res.metrics.extra["speculative"]
+    assert 0 < stats["num_accepted"] < stats["num_proposed"], stats
+    for pos in (1, 2, 3):
+        a = [o.token_ids[pos] for o in base.outputs]
+        b = [o.token_ids[pos] for o in res.outputs]
+        vocab = sorted(set(a) | set(b))
+        pv = chi2_pvalue([a.count(t) for t in vocab], [b.count(t) for t in vocab])
+        assert pv > 1e-3, f"position {pos}: p = {pv}"
+    assert_pool_full(spec.engine)
+
+
+@pytest.mark.parametrize("engine", ["paged+draft", "paged+ngram"])
+def test_fixed_seed_does_not_depend_on_the_batch(tiny, engine):
+    prompt = random_prompts(1, seed=8, lo=60, hi=60)[0] * 2   # the n-gram proposer finds matches
+    p = SamplingParams(max_tokens=16, temperature=0.9, seed=123, ignore_eos=True)
+    opts = {"draft_layers": 1} if engine == "paged+draft" else {"prompt_lookup_min": 1}
+    alone = LLM(tiny, engine=engine, **opts).generate([prompt], p)[0]
+    others = random_prompts(7, seed=3, lo=2, hi=25)
+    mixed = LLM(tiny, engine=engine, **opts).generate(
+        others[:3] + [prompt] + others[3:],
+        [SamplingParams(max_tokens=20, temperature=1.0, seed=k) for k in range(3)] + [p]
+        + [SamplingParams(max_tokens=12) for _ in range(4)])[3]
+    assert alone.token_ids == mixed.token_ids
+    assert alone.spec.num_proposed > 0
+
+
+# --- rollback keeps the books ------------------------------------------------------------------------
+ops = st.lists(st.tuples(st.sampled_from(["new", "propose", "accept", "truncate", "fork", "free"]),
+                         st.integers(0, 10_000), st.integers(0, 12)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 8]),
+       prefix=st.booleans())
+def test_propose_verify_truncate_fork_free_keep_the_books(ops, num_blocks, block_size, prefix):
+    """A simulated KV store (slot -> token written there) checks, after every operation, that each
+    sequence's computed slots still hold its own tokens (no shared block was written, rollback
+    lost nothing it kept) and that every cached block holds the tokens its hash stands for."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    req = Request([1], SamplingParams())
+    kv: dict[int, int] = {}
+    seqs: list[Sequence] = []
+    guesses: dict[int, int] = {}          # seq_id -> guesses computed but not yet verified
+
+    def compute(seq, n):
+        if not bm.can_append(seq, n):
+            return False
+        for src, dst in bm.append_slots(seq, n):
+            for i in range(block_size):
+                if src * block_size + i in kv:
+                    kv[dst * block_size + i] = kv[src * block_size + i]
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            kv[bm.slot(seq, pos)] = seq.token_ids[pos]
+        seq.num_computed_tokens += n
+        return True
+
+    for op, pick, n in ops:
+        if op == "new":
+            seq = Sequence(req, [(pick + i) % 3 for i in range(n + 1)], n + 1)
+            bm.allocate_cached_prefix(seq)
+            if compute(seq, seq.num_uncomputed):
+                bm.cache_full_blocks(seq)
+                seqs.append(seq)
+            else:
+                bm.free(seq)
+            continue
+        if not seqs:
+            continue
+        seq = seqs[pick % len(seqs)]
+        pending = guesses.get(seq.seq_id, 0)
+        if op == "propose" and not pending and n:
+            seq.token_ids += [(pick + j) % 3 for j in range(n)]
+            if compute(seq, n):
+                guesses[seq.seq_id] = n
+            else:
+                del seq.token_ids[-n:]
+        elif op == "accept" and pending:
+            keep = seq.num_tokens - pending + pick % (pending + 1)    # accepted prefix
+            del seq.token_ids[keep:]
+            bm.truncate(seq, keep)
+            bm.cache_full_blocks(seq)
+            del guesses[seq.seq_id]
+        elif op == "truncate" and not pending:
+            keep = pick % (seq.num_computed_tokens + 1)
+            del seq.token_ids[keep:]
+            bm.truncate(seq, keep)
+        elif op == "fork" and not pending:
+            seqs.append(bm.fork(seq))
+        elif op == "free":
+            bm.free(seq)
+            seqs.remove(seq)
+            guesses.pop(seq.seq_id, None)
+        check_block_invariants(bm, seqs)
+        for s in seqs:
+            assert len(s.block_table) == -(-s.num_computed_tokens // block_size) or \
+                s.seq_id in guesses or s.num_computed_tokens < len(s.block_table) * block_size
+            for pos in range(s.num_computed_tokens):
+                assert kv[bm.slot(s, pos)] == s.token_ids[pos], f"seq {s.seq_id} position {pos}"
+        for h, bid in bm.cached.items():
+            assert tuple(kv.get(bid * block_size + i) for i in range(block_size)) == \
+                bm.blocks[bid].key[1], f"cached block {bid} holds other tokens than its hash"
+    for s in seqs:
+        bm.free(s)
+    check_block_invariants(bm, [])
+    assert bm.num_free_blocks == num_blocks, "no block leaks"
+
+
+def test_truncate_rejects_bad_lengths_and_frees_at_once():
+    bm = BlockManager(8, 4)
+    seq = Sequence(Request([1], SamplingParams()), list(range(10)), 10)
+    bm.append_slots(seq, 10)
+    seq.num_computed_tokens = 10
+    bm.truncate(seq, 5)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6 and seq.num_computed_tokens == 5
+    for bad in (-1, 9, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="num_tokens must be an int in \\[0, 8\\]"):
+            bm.truncate(seq, bad)
+
+
+# --- configuration, proposers, engine plumbing ----------------------------------------------------
+@pytest.mark.parametrize("kwargs,words", [
+    ({"method": "medusa"}, "speculative method must be one of ngram, draft, got 'medusa'"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
+    ({"num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer, got '4'"),
+    ({"num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64, got 65"),
+    ({"prompt_lookup_min": 5}, "prompt_lookup_min \\(5\\) must be <= prompt_lookup_max \\(4\\)"),
+    ({"draft_layers": 0}, "draft_layers must be an integer >= 1, got 0"),
+])
+def test_config_errors_name_field_and_value(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        SpeculativeConfig(**kwargs)
+
+
+def test_engine_options_checked(tiny):
+    with pytest.raises(ValueError, match="speculative must be 'ngram' or 'draft'.*got 'eagle'"):
+        LLM(tiny, engine="paged", speculative="eagle")
+    with pytest.raises(ValueError, match="draft_layers must be <= the target's 2 layers, got 3"):
+        LLM(tiny, engine="paged+draft", draft_layers=3)
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=2)
+    llm = LLM(tiny, engine="paged", speculative=cfg)
+    assert llm.engine.name == "paged+ngram" and llm.engine.config is cfg
+
+
+def test_ngram_lookup():
+    ng = NgramProposer(min_n=1, max_n=3)
+    assert ng.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert ng.lookup([1, 2, 3, 4, 1, 2, 5, 5, 1, 2], 2) == [5, 5], "newest occurrence first"
+    assert ng.lookup([1, 2, 3], 4) == []
+    assert ng.lookup([7], 4) == []
+
+
+def test_abort_and_reset_free_both_pools(tiny):
+    llm = LLM(tiny, engine="paged+draft", draft_layers=1, num_blocks=32, block_size=4)
+    engine = llm.engine
+    reqs = llm.make_requests(random_prompts(4, seed=2, lo=3, hi=12),
+                             SamplingParams(max_tokens=20, ignore_eos=True))
+    for r in reqs:
+        engine.validate(r)
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort(reqs[0].request_id)
+    finals = drain(engine)
+    assert finals[reqs[0].request_id] == 1 and all(finals[r.request_id] == 1 for r in reqs[1:])
+    assert reqs[0].finish_reason == FinishReason.ABORT
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs[1:])
+    assert_pool_full(engine)
+    engine.reset()
+    draft = engine.proposer.block_manager
+    assert draft.num_free_blocks == draft.num_blocks
