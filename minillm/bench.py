@@ -234,16 +234,18 @@ def exp_capacity(model, n: int, seed: int, options: dict, reserve_tokens: int = 
             "preemptions": res.metrics.num_preemptions}
 
 
-def exp_speculative(model, n: int, seed: int, options: dict) -> dict:
+def exp_speculative(model, n: int, seed: int, options: dict,
+                    lengths: tuple[int, int] = (64, 128)) -> dict:
     """Step 5: plain paged vs paged+ngram vs paged+draft on the chat mix and on copy-heavy
-    requests, one request at a time (batch 1, ``n // 16`` requests) and at the concurrency cap
-    (``n`` requests, all at once). Speed-up is output tok/s over plain paged's, same workload."""
+    requests (``lengths`` output tokens), one request at a time (batch 1, ``n // 16`` requests)
+    and at the concurrency cap (``n`` requests, all at once). Speed-up is output tok/s over plain
+    paged's on the same requests. Notebook 06 runs it small."""
     from .workload import CHAT_MIX, make_copy_workload, make_workload
 
     cap = options.get("max_num_seqs", 64)
-    workloads = {"chat": make_workload(n, seed, categories=CHAT_MIX, short=(32, 64),
-                                       long=(64, 128)),
-                 "copy": make_copy_workload(n, seed)}
+    workloads = {"chat": make_workload(n, seed, categories=CHAT_MIX, short=lengths,
+                                       long=lengths),
+                 "copy": make_copy_workload(n, seed, lengths=lengths)}
     rows = []
     for wl, items in workloads.items():
         for batch in (1, cap):

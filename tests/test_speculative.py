@@ -374,3 +374,39 @@ def test_abort_and_reset_free_both_pools(tiny):
     engine.reset()
     draft = engine.proposer.block_manager
     assert draft.num_free_blocks == draft.num_blocks
+
+
+def test_cli_speculative_flags(tmp_path):
+    """``--engine paged --speculative ngram --num-speculative-tokens 3``: the same tokens as
+    plain paged; an unknown method is refused before generating (exit 2)."""
+    import json
+
+    from minillm.__main__ import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]}\n{"prompt": "abcabcabc"}\n')
+    lines = {}
+    for name, extra in (("plain", []), ("ngram", ["--speculative", "ngram",
+                                                   "--num-speculative-tokens", "3",
+                                                   "--prompt-lookup-min", "1"])):
+        dst = tmp_path / f"{name}.jsonl"
+        code = main(["generate", "--model", "tiny-llama", "--engine", "paged", "--prompts",
+                     str(src), "--out", str(dst), "--max-tokens", "12", "--quiet", *extra])
+        assert code == 0
+        lines[name] = [json.loads(x)["token_ids"] for x in dst.read_text().splitlines()]
+    assert lines["plain"] == lines["ngram"] and all(lines["plain"])
+    code = main(["generate", "--model", "tiny-llama", "--engine", "paged", "--prompts", str(src),
+                 "--out", str(tmp_path / "x.jsonl"), "--quiet", "--speculative", "eagle"])
+    assert code == 2
+
+
+def test_bench_experiment_rows(tiny):
+    from minillm.bench import exp_speculative, format_spec_table
+
+    rows = exp_speculative(tiny, 4, 0, {"max_num_seqs": 2, "block_size": 4}, lengths=(4, 6))["rows"]
+    assert [(r["workload"], r["batch"], r["engine"]) for r in rows][:3] == \
+        [("chat", 1, "paged"), ("chat", 1, "paged+ngram"), ("chat", 1, "paged+draft")]
+    assert len(rows) == 12 and all(r["output_tok_s"] > 0 for r in rows)
+    assert all(r["speedup_vs_paged"] == 1.0 for r in rows if r["engine"] == "paged")
+    assert all(r["num_proposed"] >= r["num_accepted"] >= 0 for r in rows if r["engine"] != "paged")
+    assert "| paged+draft | copy | 2 |" in format_spec_table(rows)
