@@ -79,13 +79,19 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("method,config", [(m, c) for c in CONFIGS for m in ("oracle", "draft", "ngram")
-                                           if c != "chunked" or m == "oracle"])
+GREEDY_CASES = [("oracle", c) for c in CONFIGS] + [
+    ("draft", "roomy"), ("draft", "tight-pool"), ("draft", "prefix-tight"),
+    ("ngram", "roomy"), ("ngram", "prefix")]
+_baselines: dict = {}
+
+
+@pytest.mark.parametrize("method,config", GREEDY_CASES)
 def test_greedy_equals_paged_and_hf(tiny, case, method, config):
     prompts, lengths, refs = case
     params = [SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths]
-    plain = LLM(tiny, engine="paged", **CONFIGS[config])
-    _, base = run(plain, prompts, params)
+    if config not in _baselines:        # the plain paged engine, same options: run once
+        _baselines[config] = run(LLM(tiny, engine="paged", **CONFIGS[config]), prompts, params)[1]
+    base = _baselines[config]
     spec = LLM(tiny, engine="paged", speculative="draft" if method == "draft" else "ngram",
                num_speculative_tokens=3, draft_layers=1, **CONFIGS[config])
     if method == "oracle":
@@ -104,6 +110,27 @@ def test_greedy_equals_paged_and_hf(tiny, case, method, config):
         assert res.metrics.num_preemptions > 0, "the tight pool should preempt"
     if config.startswith("prefix"):
         assert res.steps[-1].prefix_hit_tokens > 0, "the shared prefixes should hit the cache"
+    assert_pool_full(spec.engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_greedy_equals_paged(smol, method):
+    """The real model, copy-heavy and chat requests, a pool small enough to preempt and prefix
+    caching on: speculation changes no token."""
+    from minillm.workload import make_copy_workload, make_workload, to_requests
+
+    items = make_copy_workload(3, seed=1, lengths=(24, 24)) + make_workload(
+        2, seed=1, short=(16, 24), long=(16, 24))
+    opts = {"block_size": 8, "num_blocks": 70, "enable_prefix_caching": True,
+            "max_num_batched_tokens": 128}
+    plain = LLM(smol, engine="paged", **opts)
+    base = plain.run(to_requests(plain, items))
+    spec = LLM(smol, engine="paged", speculative=method, num_speculative_tokens=4, **opts)
+    res = spec.run(to_requests(spec, items))
+    assert [o.token_ids for o in res.outputs] == [o.token_ids for o in base.outputs]
+    assert res.metrics.num_preemptions > 0 and res.steps[-1].prefix_hit_tokens > 0
+    assert res.metrics.extra["speculative"]["num_accepted"] > 0
     assert_pool_full(spec.engine)
 
 
@@ -190,7 +217,7 @@ class ArgmaxPointProposer(DraftModelProposer):
         return None
 
 
-@pytest.mark.parametrize("proposer", ["draft", "point"])
+@pytest.mark.parametrize("proposer", ["draft", pytest.param("point", marks=pytest.mark.slow)])
 def test_sampled_outputs_follow_the_target_distribution(tiny, proposer):
     """300 seeds of one prompt, top-k 3, four tokens: the distribution of tokens 2-4 with
     speculation equals the plain engine's (chi-square, contingency table per position)."""
@@ -400,6 +427,7 @@ def test_cli_speculative_flags(tmp_path):
     assert code == 2
 
 
+@pytest.mark.slow
 def test_bench_experiment_rows(tiny):
     from minillm.bench import exp_speculative, format_spec_table
 
