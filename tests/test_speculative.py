@@ -438,3 +438,28 @@ def test_bench_experiment_rows(tiny):
     assert all(r["speedup_vs_paged"] == 1.0 for r in rows if r["engine"] == "paged")
     assert all(r["num_proposed"] >= r["num_accepted"] >= 0 for r in rows if r["engine"] != "paged")
     assert "| paged+draft | copy | 2 |" in format_spec_table(rows)
+
+
+@pytest.mark.parametrize("method,kinds,seed", [("draft", ("n1", "nmany", "beam"), 101),
+                                               ("ngram", ("n1",), 201)])
+def test_soak_with_speculation(method, kinds, seed, monkeypatch):
+    """The paged engine's soak test (random adds, aborts and steps on a tight pool with prefix
+    caching; every operation followed by the full invariant check; the outputs compared with a
+    roomy run), with every engine it builds speculating."""
+    import test_soak
+
+    model = test_soak.load_model("tiny-llama", device="cpu", dtype=torch.float64)
+    real = test_soak.create_engine
+
+    def speculating(name, m, **options):
+        return real(name, m, speculative=method, num_speculative_tokens=3, draft_layers=1,
+                    prompt_lookup_min=1, **options)
+    monkeypatch.setattr(test_soak, "create_engine", speculating)
+    torch.set_num_threads(1)
+    config = test_soak.make_config(seed, 4, True, "fcfs", True, kinds)
+    ops = test_soak.make_ops(config, 400, model.config.vocab_size)
+    run = test_soak.run_soak(model, config, ops)
+    stats = test_soak.check_run(model, run)
+    assert stats["compared"] > 0 and stats["preemptions"] > 0, dict(stats)
+    assert run.engine.run_stats.num_proposed > 0, "the soak should have speculated"
+    assert run.engine.name == f"paged+{method}"

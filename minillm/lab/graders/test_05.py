@@ -2,9 +2,10 @@
 in ``rejection.py``.
 
 Greedy: the kept tokens are the guesses up to the first wrong one, then the target's own token;
-the speculative engine built on the student's rule must produce Hugging Face's tokens with guesses
-that are right, wrong and half right. Sampling: whatever the proposer's distribution q, the first
-token kept must follow the target's p (a chi-square test over 3,000 seeds).
+the speculative engine built on the student's rule must produce the plain engine's tokens (Hugging
+Face's) with guesses that are right, wrong and half right. Sampling: whatever the proposer's
+distribution q, the first token kept must follow the target's p (a chi-square test over 3,000
+seeds).
 """
 from __future__ import annotations
 
@@ -49,16 +50,23 @@ class HalfRightProposer:
         pass
 
 
-def test_speculative_engine_on_this_rule_equals_hf(tiny):
+def test_speculative_engine_on_this_rule_equals_plain_decoding(tiny):
+    """The paged engine without speculation (itself equal to Hugging Face ``generate``) is the
+    reference: guesses right, wrong and half right must not change a single token."""
     prompts = random_prompts(5, seed=17, lo=3, hi=20)
-    refs = {f"r{i}": hf_greedy(tiny, p, 16) for i, p in enumerate(prompts)}
+
+    def requests():
+        return [Request(list(p), SamplingParams(max_tokens=16, ignore_eos=True),
+                        request_id=f"r{i}") for i, p in enumerate(prompts)]
+    plain = LLM(tiny, engine="paged", block_size=4).run(requests())
+    refs = {o.request_id: o.token_ids for o in plain.outputs}
+    assert_greedy_match(refs["r0"], hf_greedy(tiny, prompts[0], 16), label="r0 (plain)")
     llm = LLM(tiny, engine="paged+ngram", num_speculative_tokens=3, block_size=4)
-    llm.engine.proposer = HalfRightProposer({k: r.tokens for k, r in refs.items()})
-    reqs = [Request(list(p), SamplingParams(max_tokens=16, ignore_eos=True), request_id=f"r{i}")
-            for i, p in enumerate(prompts)]
-    res = llm.run(reqs)
+    llm.engine.proposer = HalfRightProposer(refs)
+    res = llm.run(requests())
     for out in res.outputs:
-        assert_greedy_match(out.token_ids, refs[out.request_id], label=out.request_id)
+        assert out.token_ids == refs[out.request_id], (
+            f"{out.request_id}: with speculation {out.token_ids}, without {refs[out.request_id]}")
     stats = res.metrics.extra["speculative"]
     assert 0 < stats["num_accepted"] < stats["num_proposed"]
 
