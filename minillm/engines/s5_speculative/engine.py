@@ -23,6 +23,7 @@ from ..s3_paged.sequence import Sequence
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .rejection import accept
+from .runner import VerifyRunner
 
 
 class SpeculativeEngine(PagedEngine):
@@ -43,6 +44,7 @@ class SpeculativeEngine(PagedEngine):
             speculative, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min,
             draft_layers)
         self.config = cfg
+        self.runner = VerifyRunner.wrap(self.runner)    # verification as batched decode rows
         self.name = f"paged+{cfg.method}"
         if proposer is None and cfg.method == "ngram":
             proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -109,6 +111,7 @@ class SpeculativeEngine(PagedEngine):
                 return out
             t1 = time.perf_counter()
             self.runner.copy_blocks(sched.copies)
+            self.runner.verify_ids = {s.seq_id for s in props}
             reached, logits = self.runner.run(sched.scheduled,
                                               {s.seq_id: len(g) + 1 for s, g in props.items()})
         except BaseException:        # never leave guesses behind in a sequence's tokens
