@@ -116,8 +116,10 @@ def test_smollm2_greedy_equals_paged(smol, method):
 
     items = make_copy_workload(3, seed=1, lengths=(24, 24)) + make_workload(
         2, seed=1, short=(16, 24), long=(16, 24))
-    opts = {"block_size": 8, "num_blocks": 70, "enable_prefix_caching": True,
-            "max_num_batched_tokens": 128}
+    probe = LLM(smol, engine="paged")
+    longest = max(r.prompt_len + r.params.max_tokens for r in to_requests(probe, items))
+    opts = {"block_size": 8, "num_blocks": -(-longest // 8) + 6,    # the longest fits, two don't
+            "enable_prefix_caching": True, "max_num_batched_tokens": 128}
     plain = LLM(smol, engine="paged", **opts)
     base = plain.run(to_requests(plain, items))
     spec = LLM(smol, engine="paged", speculative=method, num_speculative_tokens=4, **opts)
