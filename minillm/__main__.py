@@ -48,6 +48,12 @@ OPTION_HELP = {
     "worker_threads": "pipeline: torch threads per spawned worker",
     "pipeline_timeout_s": "pipeline: seconds any wait on another rank may take before it is an "
                           "error",
+    "speculative": "paged: speculative decoding, ngram (prompt lookup) or draft (the model's first "
+                   "layers); n > 1 and beam requests decode normally",
+    "num_speculative_tokens": "speculative: tokens guessed per step (k)",
+    "prompt_lookup_max": "speculative ngram: longest suffix looked up",
+    "prompt_lookup_min": "speculative ngram: shortest suffix looked up",
+    "draft_layers": "speculative draft: layers of the model the draft keeps (default 1/4)",
 }
 
 

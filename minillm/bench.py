@@ -23,7 +23,8 @@ from .metrics import RunMetrics
 PEERS = ("hf-static", "hf-generate-batch", "vllm-cpu")   # HF baselines (peers.py), vLLM (vllm_peer.py)
 ALL_ENGINES = ENGINES + PEERS
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
-EXPERIMENTS = ("prefix", "parallel", "capacity")
+EXPERIMENTS = ("prefix", "parallel", "capacity", "speculative")
+SPEC_ENGINES = ("paged", "paged+ngram", "paged+draft")
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
 
 
@@ -252,6 +253,57 @@ def exp_capacity(model, n: int, seed: int, options: dict, reserve_tokens: int = 
             "preemptions": res.metrics.num_preemptions}
 
 
+def exp_speculative(model, n: int, seed: int, options: dict,
+                    lengths: tuple[int, int] = (64, 128)) -> dict:
+    """Step 5: plain paged vs paged+ngram vs paged+draft on the chat mix and on copy-heavy
+    requests (``lengths`` output tokens), one request at a time (batch 1, ``n // 16`` requests)
+    and at the concurrency cap (``n`` requests, all at once). Speed-up is output tok/s over plain
+    paged's on the same requests. Notebook 06 runs it small."""
+    from .workload import CHAT_MIX, make_copy_workload, make_workload
+
+    cap = options.get("max_num_seqs", 64)
+    workloads = {"chat": make_workload(n, seed, categories=CHAT_MIX, short=lengths,
+                                       long=lengths),
+                 "copy": make_copy_workload(n, seed, lengths=lengths)}
+    rows = []
+    for wl, items in workloads.items():
+        for batch in (1, cap):
+            work = items[:max(2, n // 16)] if batch == 1 else items
+            base = None
+            for name in SPEC_ENGINES:
+                opts = {**options, "max_num_seqs": batch}
+                run_engine(model, name, warmup_items(items), opts, progress=False)
+                res = run_engine(model, name, work, opts, progress=False)
+                m, sp = res.metrics, res.metrics.extra.get("speculative", {})
+                base = base or m.output_tok_s
+                rows.append({"engine": name, "workload": wl, "batch": batch,
+                             "requests": len(work), "output_tok_s": m.output_tok_s,
+                             "speedup_vs_paged": m.output_tok_s / base,
+                             "tpot_p50_s": m.tpot_p50_s, **{k: sp.get(k) for k in (
+                                 "acceptance_rate", "tokens_per_step", "propose_ms", "verify_ms",
+                                 "num_proposed", "num_accepted")}})
+                print(f"  {wl:5s} batch {batch:3d} {name:12s} {m.output_tok_s:7.1f} tok/s "
+                      f"({rows[-1]['speedup_vs_paged']:.2f}x)", flush=True)
+    print(format_spec_table(rows))
+    return {"rows": rows}
+
+
+def format_spec_table(rows: list[dict]) -> str:
+    head = ["engine", "workload", "batch", "tok/s", "vs paged", "accept %", "tokens/step",
+            "propose ms", "verify ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        spec = r["acceptance_rate"] is not None
+        lines.append("| " + " | ".join([
+            r["engine"], r["workload"], str(r["batch"]), f"{r['output_tok_s']:.1f}",
+            f"{r['speedup_vs_paged']:.2f}x",
+            f"{100 * r['acceptance_rate']:.0f}" if spec else "-",
+            f"{r['tokens_per_step']:.2f}" if spec else "1",
+            f"{r['propose_ms']:.0f}" if spec else "-",
+            f"{r['verify_ms']:.0f}" if spec else "-"]) + " |")
+    return "\n".join(lines)
+
+
 # --- entry point ---------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
     from .models import load_model
@@ -278,9 +330,10 @@ def main(args: argparse.Namespace) -> int:
     results = {"model": args.model, "requests": n, "naive_requests": n_naive, "rate": args.rate,
                "seed": args.seed, "quick": args.quick, "table": rows, "experiments": {}}
     exps = [e for e in args.experiments.split(",") if e in EXPERIMENTS]
-    runners = {"prefix": exp_prefix, "parallel": exp_parallel, "capacity": exp_capacity}
-    sizes = {"prefix": 16, "parallel": 8, "capacity": 32} if args.quick else \
-        {"prefix": 32, "parallel": 16, "capacity": 64}
+    runners = {"prefix": exp_prefix, "parallel": exp_parallel, "capacity": exp_capacity,
+               "speculative": exp_speculative}
+    sizes = {"prefix": 16, "parallel": 8, "capacity": 32, "speculative": 64} if args.quick else \
+        {"prefix": 32, "parallel": 16, "capacity": 64, "speculative": 128}
     for name in exps:
         print(f"\nexperiment {name} ...", flush=True)
         results["experiments"][name] = r = runners[name](model, sizes[name], args.seed, options)

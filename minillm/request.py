@@ -118,6 +118,41 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass
+class SpecStats:
+    """Speculative decoding's counters (step 5, notebook 06): per request on ``Request.spec`` and
+    ``RequestOutput.spec``, per run in ``RunMetrics.extra["speculative"]``."""
+
+    num_steps: int = 0        # verification steps (one target forward each)
+    num_proposed: int = 0     # tokens the proposer guessed
+    num_accepted: int = 0     # of those, how many the target kept
+    num_emitted: int = 0      # tokens appended: accepted guesses + the target's own next token
+    propose_ms: float = 0.0   # time in the proposer (a request is billed each step it shares)
+    verify_ms: float = 0.0    # time in the target's verifying forward and the acceptance rule
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted guesses per verification step (the target's own token not counted)."""
+        return self.num_accepted / self.num_steps if self.num_steps else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_emitted / self.num_steps if self.num_steps else float("nan")
+
+    def add(self, other: "SpecStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
+                "tokens_per_step": self.tokens_per_step}
+
+
 _ids = itertools.count()
 
 
@@ -141,6 +176,7 @@ class Request:
     # n > 1 / beam search: every sample's (or beam's) tokens, best first, once the request ends
     samples: list[list[int]] = field(default_factory=list)
     beam_choices: list = field(default_factory=list)   # beam search: each step's choice (traces)
+    spec: SpecStats | None = None        # speculative decoding's counters (step 5)
 
     def __post_init__(self):
         if not self.request_id:
@@ -213,6 +249,7 @@ class RequestOutput:
     num_preemptions: int = 0
     # n > 1 / beam search: every sequence of the request, best first (``token_ids`` is the first)
     samples: list[list[int]] = field(default_factory=list)
+    spec: SpecStats | None = None      # speculative decoding's counters (step 5)
 
     @property
     def tpot_s(self) -> float | None:
@@ -231,4 +268,4 @@ class RequestOutput:
                 lat = req.finish_time - req.arrival_time
         return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                    req.finish_reason, req.error, ttft, lat, req.num_preemptions,
-                   [list(s) for s in req.samples] or [list(req.output_token_ids)])
+                   [list(s) for s in req.samples] or [list(req.output_token_ids)], req.spec)

@@ -99,6 +99,50 @@ def make_workload(num_requests: int, seed: int = 0, rate: float | None = None,
     return items
 
 
+# Copy-heavy requests (speculative decoding, notebook 06): the answer repeats or edits a passage
+# of the prompt, as editing, quoting and "fix this" requests do. Passages are the bundled long
+# documents' opening paragraphs; nothing is downloaded.
+COPY_TASKS = (
+    "Repeat the following text exactly, word for word:\n\n{text}",
+    "Quote this passage verbatim, then stop:\n\n{text}",
+    "Rewrite this text with every sentence kept as it is, but in one paragraph:\n\n{text}",
+    "Copy the text below and put it in double quotes:\n\n{text}",
+)
+
+
+def copy_passages(max_chars: int = 700) -> list[str]:
+    """The opening paragraphs (up to ``max_chars``) of each bundled long document."""
+    out = []
+    for p in load_prompts():
+        if p["category"] != "long":
+            continue
+        text = p["messages"][-1]["content"]
+        paras = [x for x in text.split("\n\n")
+                 if x.strip() and not x.startswith("Read the following")]   # the task line
+        passage = ""
+        for para in paras:
+            if passage and len(passage) + len(para) > max_chars:
+                break
+            passage = f"{passage}\n\n{para}" if passage else para
+        out.append(passage[:max_chars])
+    return out
+
+
+def make_copy_workload(num_requests: int, seed: int = 0, rate: float | None = None,
+                       lengths: tuple[int, int] = (64, 128)) -> list[WorkItem]:
+    """``num_requests`` copy-heavy requests: a task from ``COPY_TASKS`` on a bundled passage,
+    greedy with ``ignore_eos`` and ``lengths`` output tokens, like ``make_workload``'s."""
+    rng = random.Random(seed)
+    passages = copy_passages()
+    arrivals = arrival_offsets(num_requests, rng, rate)
+    items = []
+    for t in arrivals:
+        content = rng.choice(COPY_TASKS).format(text=rng.choice(passages))
+        params = SamplingParams(max_tokens=rng.randint(*lengths), ignore_eos=True)
+        items.append(WorkItem({"messages": [{"role": "user", "content": content}]}, params, t))
+    return items
+
+
 def to_requests(llm, items: list[WorkItem]):
     """Fresh ``Request`` objects for one engine run (requests are stateful, never reuse them)."""
     reqs = llm.make_requests([it.prompt for it in items], [it.params for it in items])

@@ -16,7 +16,7 @@ from .base import Engine, RunResult, StepOutput
 
 # Constructor parameters that are plumbing, not user options.
 _INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "block_manager",
-             "group"}   # group: the pipeline's process group under torchrun (step 6)
+             "group", "proposer"}   # group: the pipeline's process group under torchrun (step 6)
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,10 @@ class EngineSpec:
     def options(self) -> dict[str, inspect.Parameter]:
         """The options a user may pass, by name (parameters of the engine's constructor)."""
         params = inspect.signature(self.load().__init__).parameters
-        extra = {"attention_backend": None} if self.name == "paged" else {}
-        opts = {k: p for k, p in params.items() if k not in _INTERNAL}
+        extra = {"attention_backend": None} if self.name.startswith("paged") else {}
+        if self.name == "paged":    # ``paged`` + ``speculative="ngram"`` is step 5's engine
+            extra["speculative"] = None
+        opts = {k: p for k, p in params.items() if k not in _INTERNAL and k not in self.fixed}
         return opts | {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
                        for k, v in extra.items()}
 
@@ -55,13 +57,26 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("static", 1, "s1_static", "StaticBatchEngine"),
     EngineSpec("dynamic", 2, "s2_dynamic", "DynamicBatchEngine"),
     EngineSpec("paged", 3, "s3_paged.engine", "PagedEngine"),
+    EngineSpec("paged+ngram", 5, "s5_speculative.engine", "SpeculativeEngine",
+               {"speculative": "ngram"}),
+    EngineSpec("paged+draft", 5, "s5_speculative.engine", "SpeculativeEngine",
+               {"speculative": "draft"}),
     EngineSpec("pipeline", 6, "s6_pipeline.engine", "PipelineEngine"),
 )}
 ENGINES = tuple(REGISTRY)
 
 
 def create_engine(name: str, model, **options) -> Engine:
-    """Build engine ``name`` for a loaded model; ``options`` go to its constructor."""
+    """Build engine ``name`` for a loaded model; ``options`` go to its constructor.
+    ``paged`` with ``speculative`` ("ngram", "draft" or a ``SpeculativeConfig``) builds step 5's
+    ``paged+ngram`` / ``paged+draft``."""
+    speculative = options.pop("speculative", None) if name == "paged" else None
+    if speculative is not None:
+        method = getattr(speculative, "method", speculative)
+        name = f"paged+{method}" if method in ("ngram", "draft") else ""
+        if not name:
+            raise ValueError(f"speculative must be 'ngram' or 'draft' (or a SpeculativeConfig), "
+                             f"got {speculative!r}")
     spec = REGISTRY.get(name)
     if spec is None:
         raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
@@ -70,10 +85,11 @@ def create_engine(name: str, model, **options) -> Engine:
     if unknown:
         raise ValueError(f"bad option for engine {name!r}: {', '.join(unknown)} (it takes "
                          f"{', '.join(allowed) or 'no options'})")
-    if name == "paged":
+    if name.startswith("paged"):
         options["backend"] = get_attention_backend(options.pop("attention_backend", None),
                                                    model.device)
-    return spec.load()(model, **spec.fixed, **options)
+    fixed = spec.fixed if speculative is None else {**spec.fixed, "speculative": speculative}
+    return spec.load()(model, **fixed, **options)
 
 
 def get_attention_backend(name: str | None, device):

@@ -56,6 +56,24 @@ def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int
     return used(alone), used(shared)
 
 
+def blocks_returned_after_rejection(computed: int = 30, guesses: int = 8, accepted: int = 1,
+                                    block_size: int = 4) -> int:
+    """Blocks a sequence gives back when it verified ``guesses`` guesses after ``computed``
+    computed tokens (plus its newest token) and ``accepted`` were kept, counted by running the
+    block manager's own ``truncate``."""
+    from ..engines.s3_paged.block_manager import BlockManager
+    from ..engines.s3_paged.sequence import Sequence
+    from ..request import Request, SamplingParams
+
+    bm = BlockManager(1000, block_size)
+    seq = Sequence(Request([1], SamplingParams()), [1] * (computed + 1 + guesses), computed + 1)
+    bm.append_slots(seq, computed + 1 + guesses)     # the context and the verified positions
+    seq.num_computed_tokens = seq.num_tokens
+    held = len(seq.block_table)
+    bm.truncate(seq, computed + 1 + accepted)        # kept: newest token + accepted guesses
+    return held - len(seq.block_table)
+
+
 @dataclass(frozen=True)
 class Question:
     id: str
@@ -81,6 +99,12 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              blocks_independent_vs_shared,
              "a tuple of two integers; with n = 3 the prompt's 4 full blocks are stored once",
              rel_tol=0.0),
+    Question("06.q1", "blocks given back to the pool when a sequence with 30 computed tokens and "
+             "a newest one verifies 8 guesses (block_size 4) and only 1 guess is accepted",
+             blocks_returned_after_rejection,
+             "the verification held slots for 30 + 1 + 8 tokens; afterwards the sequence keeps "
+             "K/V for 30 + 1 + 1 positions (the target's own next token has none yet); count "
+             "whole blocks of 4 before and after", rel_tol=0.0),
 ]}
 
 

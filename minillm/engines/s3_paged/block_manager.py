@@ -165,6 +165,24 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the K/V of ``seq``'s first ``num_tokens`` positions only: speculative decoding's
+        rollback of rejected guesses (step 5, notebook 06). Blocks wholly past them go back to the
+        pool at once (one reference each: a block another sequence shares stays theirs); the
+        partial last block is kept, and its slots past ``num_tokens`` are overwritten by the next
+        tokens. That block is written again only if this sequence alone holds it and it is not in
+        the prefix cache: otherwise ``append_slots`` copies it first, as for any shared block."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) \
+                or not 0 <= num_tokens <= len(seq.block_table) * self.block_size:
+            raise ValueError(f"num_tokens must be an int in [0, {len(seq.block_table) * self.block_size}]"
+                             f" (the slots seq {seq.seq_id} holds), got {num_tokens!r}")
+        keep = -(-num_tokens // self.block_size)
+        for bid in reversed(seq.block_table[keep:]):    # tail first, as ``free`` does
+            self._release(bid)
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.num_cached_tokens = min(seq.num_cached_tokens, num_tokens)
+
     def capacity_error(self, req: Request, longest: int) -> str | None:
         """Why ``req`` (at most ``longest`` tokens per sequence) could never run, even alone in
         the pool; None when it fits."""

@@ -91,14 +91,21 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.long, device=dev), meta, order, last)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """One forward; returns the sequences that reached their newest token and their logits."""
+    def run(self, scheduled: list[tuple[Sequence, int]],
+            num_rows: dict[int, int] | None = None) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward; returns the sequences that reached their newest token and their logits.
+
+        ``num_rows`` (seq_id -> r; speculative decoding, step 5) asks for the logits of such a
+        sequence's last r positions, in order, instead of its last one: r consecutive rows."""
         ids, pos, meta, order, last = self.prepare(scheduled)
         with record_function("minillm::forward"):     # scopes for `make profile` (profile_step.py)
             hidden = self.net.forward(ids, pos, meta, self.kv_caches, self.backend)
         want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
             return [], hidden.new_empty((0, self.net.lm_head.shape[0]))
-        idx = torch.tensor([last[k] for k in want], device=self.device)
+        rows = num_rows or {}
+        idx = torch.tensor([i for k in want for i in
+                            range(last[k] + 1 - rows.get(order[k][0].seq_id, 1), last[k] + 1)],
+                           device=self.device)
         with record_function("minillm::logits"):
             return [order[k][0] for k in want], self.net.logits(hidden[idx])
