@@ -57,13 +57,19 @@ class ModelRunner:
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
+    def split(self, scheduled: list[tuple[Sequence, int]]):
+        """(decodes, prefills): which of a step's sequences attend as decode rows (each of their n
+        tokens one row, its context ending at its own position) and which as prefill chunks.
+        Here: one-token decodes, and chunks. Step 5's verification overrides it."""
+        order = step_order(scheduled)
+        return [(s, n) for s, n in order if n == 1], [(s, n) for s, n in order if n > 1]
+
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Flatten a step into model inputs. Returns (input_ids, positions, meta, order, last)
         where ``order`` is the scheduled list in token order and ``last[i]`` is the flat index
         of ``order[i]``'s last token this step."""
-        order = step_order(scheduled)
-        decodes = [(s, n) for s, n in order if n == 1]
-        prefills = [(s, n) for s, n in order if n > 1]
+        decodes, prefills = self.split(scheduled)
+        order = decodes + prefills
         ids, pos, slots, last = [], [], [], []
         for seq, n in order:
             start = seq.num_computed_tokens
@@ -71,6 +77,7 @@ class ModelRunner:
             pos += range(start, start + n)
             slots += self.slot_mapping(seq, start, n)
             last.append(len(ids) - 1)
+        rows = [(s.block_table, s.num_computed_tokens + i + 1) for s, n in decodes for i in range(n)]
         dev = self.device
         q_lens = [n for _, n in prefills]
         ctx_lens = [s.num_computed_tokens + n for s, n in prefills]
@@ -79,10 +86,9 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decodes),
-            decode_block_tables=pad_tables([s.block_table for s, _ in decodes], dev),
-            decode_context_lens=torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes],
-                                             dtype=torch.int32, device=dev),
+            num_decode=len(rows),
+            decode_block_tables=pad_tables([t for t, _ in rows], dev),
+            decode_context_lens=torch.tensor([c for _, c in rows], dtype=torch.int32, device=dev),
             prefill_block_tables=pad_tables([s.block_table for s, _ in prefills], dev),
             prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             prefill_context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
