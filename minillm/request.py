@@ -47,7 +47,7 @@ def check_float(name: str, value) -> float:
     return float(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Temperature 0 means greedy (argmax), as in vLLM.
 
@@ -55,7 +55,9 @@ class SamplingParams:
     only on (seed, i), never on which other requests happened to share the batch.
 
     Every field is checked, by type and by value, when the object is made: a bad one raises a
-    ``ValueError`` naming the field, so a mistake never surfaces mid-step inside the engine.
+    ``ValueError`` naming the field, so a mistake never surfaces mid-step inside the engine. The
+    object is frozen, so it stays valid: to change a field, make a new one
+    (``dataclasses.replace(params, seed=1)``, which checks again).
     """
 
     max_tokens: int = 64
@@ -63,29 +65,29 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0           # 0 = no top-k limit (vLLM uses -1; we document 0)
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: tuple[int, ...] = ()   # any sequence of ids; kept as a tuple
     ignore_eos: bool = False
     n: int = 1               # parallel samples sharing one prompt (step 3)
     beam_width: int = 1      # beam search (step 3); 1 = off
 
     def __post_init__(self):
-        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
-        self.temperature = check_float("temperature", self.temperature)
+        self._set("max_tokens", check_int("max_tokens", self.max_tokens, 1))
+        self._set("temperature", check_float("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.temperature < MIN_TEMPERATURE:
-            self.temperature = 0.0
-        self.top_p = check_float("top_p", self.top_p)
+            self._set("temperature", 0.0)
+        self._set("top_p", check_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.top_k = check_int("top_k", self.top_k, 0)
+        self._set("top_k", check_int("top_k", self.top_k, 0))
         if self.seed is not None:
-            self.seed = check_int("seed", self.seed)
-        self.stop_token_ids = self._check_stop_ids(self.stop_token_ids)
+            self._set("seed", check_int("seed", self.seed))
+        self._set("stop_token_ids", self._check_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        self.n = check_int("n", self.n, 1)
-        self.beam_width = check_int("beam_width", self.beam_width, 1)
+        self._set("n", check_int("n", self.n, 1))
+        self._set("beam_width", check_int("beam_width", self.beam_width, 1))
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"n={self.n} and beam_width={self.beam_width}: choose parallel "
                              "sampling (n) or beam search (beam_width), not both")
@@ -93,12 +95,15 @@ class SamplingParams:
             raise ValueError(f"beam search is deterministic: beam_width={self.beam_width} needs "
                              f"temperature=0, got temperature={self.temperature!r}")
 
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)   # only while checking: the object is frozen
+
     @staticmethod
-    def _check_stop_ids(ids) -> list[int]:
+    def _check_stop_ids(ids) -> tuple[int, ...]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r} "
                              f"({type(ids).__name__})")
-        return [check_int("stop_token_ids[]", t, 0) for t in ids]
+        return tuple(check_int("stop_token_ids[]", t, 0) for t in ids)
 
     @classmethod
     def coerce(cls, params) -> "SamplingParams":

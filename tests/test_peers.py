@@ -2,6 +2,8 @@
 token for token, what ``generate`` gives each request alone (greedy, tiny-llama, fp32)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_static_steps_and_eos(model):
     # without ignore_eos a row stops at its first EOS: make token 2 of a row the "EOS"
     req = workload()[1]
     third = alone(model, req)[2]
-    req.params.ignore_eos, req.params.stop_token_ids = False, [third]
+    req.params = dataclasses.replace(req.params, ignore_eos=False, stop_token_ids=[third])
     out = run_hf_static(model, [req]).outputs[0]
     assert out.token_ids == alone(model, workload()[1])[:3]
     assert out.finish_reason == FinishReason.STOP

@@ -4,6 +4,7 @@ engine), a fixed seed's independence from the batch, and the block books under r
 accept / truncate / fork / free (hypothesis, with a simulated KV store)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -55,7 +56,7 @@ def test_rejection_sampling_gives_the_target_distribution(q_kind):
     p = SamplingParams(temperature=1.0)
     first, firsts_wrong = [0] * 5, [0] * 5
     for seed in range(4000):
-        p.seed = seed
+        p = dataclasses.replace(p, seed=seed)
         rng = random.Random(seed)
         if q_kind == "draft":
             guesses = [rng.choices(range(5), weights=q[j].tolist())[0] for j in range(2)]

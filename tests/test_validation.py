@@ -1,6 +1,7 @@
 """Bad input gets a clear error, and never takes the other requests down."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -95,12 +96,24 @@ def test_numpy_and_tiny_values_are_normalized(tiny):
     import numpy as np
     p = SamplingParams(max_tokens=np.int64(4), top_k=np.int32(3), stop_token_ids=(np.int64(9),),
                        temperature=1e-38)
-    assert (p.max_tokens, p.top_k, p.stop_token_ids) == (4, 3, [9]) and type(p.max_tokens) is int
+    assert (p.max_tokens, p.top_k, p.stop_token_ids) == (4, 3, (9,)) and type(p.max_tokens) is int
     assert p.greedy, "a temperature too small to divide by behaves as greedy"
     llm = LLM(tiny, engine="paged")
     tiny_t = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1e-38, seed=1))
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))
     assert tiny_t[0].token_ids == greedy[0].token_ids
+
+
+def test_sampling_params_cannot_be_broken_after_checking(tiny):
+    """A checked SamplingParams stays valid: assigning a field raises at once (before any engine
+    sees it); ``dataclasses.replace`` checks the new value like the constructor does."""
+    p = SamplingParams(max_tokens=3, stop_token_ids=[5])
+    with pytest.raises(dataclasses.FrozenInstanceError, match="stop_token_ids"):
+        p.stop_token_ids = None
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids, got None"):
+        dataclasses.replace(p, stop_token_ids=None)
+    outs = LLM(tiny, engine="paged").generate([[1, 2, 3]], dataclasses.replace(p, seed=1))
+    assert outs[0].error is None and len(outs[0].token_ids) <= 3
 
 
 def test_params_as_dict_and_request_fields(tiny):

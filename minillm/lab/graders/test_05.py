@@ -9,6 +9,7 @@ seeds).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -86,7 +87,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     for draft in (True, False):        # a draft model's q, and a certain guess (n-gram)
         counts = [0] * 4
         for seed in range(3000):
-            params.seed = seed
+            params = dataclasses.replace(params, seed=seed)
             rng = random.Random(seed)
             guesses = [rng.choices(range(4), q[j].tolist())[0] for j in range(2)] if draft else [1, 2]
             kept = accept_sampled(guesses, q if draft else None, logits, params, 0)
