@@ -142,8 +142,16 @@ def play_button(driver, icon: str):
                                f"//button[.//i[contains(concat(' ', @class, ' '), ' {icon} ')]])[1]")
 
 
+def settled(driver, ref: list) -> bool:
+    """True once the figure has not changed for 2 s; ``ref`` = [last src, since when]."""
+    now = figure_src(driver)
+    if now != ref[0]:
+        ref[0], ref[1] = now, time.time()
+    return time.time() - ref[1] >= 2.0
+
+
 def check_play_and_stop(driver, shots: Path) -> None:
-    """▶ advances the figure; after ■ (and a second for the frame in progress) it never changes."""
+    """▶ advances the figure; after ■ (once the frame in progress has landed) it never changes."""
     from selenium.webdriver.common.by import By
     play = play_button(driver, "fa-play")
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", play)
@@ -154,8 +162,11 @@ def check_play_and_stop(driver, shots: Path) -> None:
         "▶ did not start playing"
     driver.save_screenshot(str(shots / "05_playing.png"))
     play_button(driver, "fa-stop").click()
-    time.sleep(1.0)                                  # the frame in progress may still land
-    stopped = figure_src(driver)
+    # The frame in progress may still land, later on a loaded machine: wait for the figure to
+    # rest 2 s (a player still playing changes it every frame and never rests: that fails here)
+    last = [figure_src(driver), time.time()]
+    wait_for("the figure to rest after ■", lambda: settled(driver, last), 60, poll=0.1)
+    stopped = last[0]
     changes, deadline = [], time.time() + 3.0
     for _ in range(60):                              # 3 s of polls, bounded in count and time
         if time.time() > deadline:
@@ -165,7 +176,7 @@ def check_play_and_stop(driver, shots: Path) -> None:
             stopped = now
         time.sleep(0.05)
     driver.save_screenshot(str(shots / "05_stopped.png"))
-    assert not changes, f"the figure changed {len(changes)} times more than 1 s after ■"
+    assert not changes, f"the figure changed {len(changes)} times after it had rested 2 s after ■"
     assert driver.find_elements(By.CSS_SELECTOR, ".minillm-viz-play i.fa-play"), \
         "■ did not stop playing"
 

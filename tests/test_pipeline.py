@@ -230,13 +230,15 @@ def test_llm_facade_and_bad_options(tiny):
 
 
 def test_idle_past_the_timeout_then_killed_worker_is_a_clear_error(tiny):
-    llm = LLM(tiny, pipeline_parallel_size=2, num_microbatches=2, pipeline_timeout_s=1)
+    # 3 s: long enough that a micro-batch of the tiny model never waits that long, even on a
+    # loaded machine; the idle pause below is longer
+    llm = LLM(tiny, pipeline_parallel_size=2, num_microbatches=2, pipeline_timeout_s=3)
     engine = llm.engine
     proc = engine.group.processes[1]
     # Idle for longer than the timeout: a worker waits for rank 0's next message indefinitely
     # (only waits inside a micro-batch are bounded), so the engine is still usable.
     first = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
-    time.sleep(2.5)
+    time.sleep(4.0)
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids == \
         first[0].token_ids
     assert proc.is_alive()
