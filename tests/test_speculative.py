@@ -13,7 +13,7 @@ from conftest import assert_greedy_match, drain, hf_greedy, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.engines.s5_speculative import SpeculativeConfig
 from minillm.engines.s5_speculative.proposers import NgramProposer
-from minillm.lab.graders.test_03 import check_block_invariants
+from minillm.lab.checks import check_block_invariants
 from minillm.request import FinishReason, Request
 
 

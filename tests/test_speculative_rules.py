@@ -18,7 +18,7 @@ from minillm.engines.s3_paged.block_manager import BlockManager
 from minillm.engines.s3_paged.sequence import Sequence
 from minillm.engines.s5_speculative.proposers import DraftModelProposer
 from minillm.engines.s5_speculative.rejection import accept_greedy, accept_sampled
-from minillm.lab.graders.test_03 import check_block_invariants
+from minillm.lab.checks import check_block_invariants
 from minillm.request import Request
 from test_speculative import assert_pool_full, run
 
