@@ -212,7 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if pipeline and int(os.environ.get("RANK", 0)) > 0:
         # Step 6 under torchrun: ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
         # the prompts, schedules and writes --out.
-        from .engines.s6_pipeline.launcher import torchrun_worker
+        from .engines.r7_pipeline.launcher import torchrun_worker
         return torchrun_worker(args.model, args.pipeline_timeout_s or 60)
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                                   ("seed", args.seed)) if v is not None}

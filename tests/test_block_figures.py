@@ -9,8 +9,8 @@ import pytest
 from matplotlib.text import Annotation
 
 from minillm import LLM, SamplingParams
-from minillm.engines.s3_paged.block_manager import BlockManager
-from minillm.engines.s3_paged.sequence import Sequence
+from minillm.core.block_manager import BlockManager
+from minillm.core.sequence import Sequence
 from minillm.request import Request
 from minillm.viz import schedule_figures
 from minillm.viz.block_figures import (beam_refcount_figure, block_table_figure, capture,

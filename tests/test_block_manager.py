@@ -6,8 +6,8 @@ checks. Only what the exercises do not cover is written here.
 """
 from __future__ import annotations
 
-from minillm.engines.s3_paged.block_manager import BlockManager
-from minillm.engines.s3_paged.sequence import Sequence
+from minillm.core.block_manager import BlockManager
+from minillm.core.sequence import Sequence
 from minillm.request import Request, SamplingParams
 
 

@@ -9,9 +9,9 @@ import torch
 from kvtools import SCALE, PagedKV, decode_lens, dense_attention, rel_err
 from minillm import LLM
 from minillm.engines import get_attention_backend
-from minillm.engines.s3_paged import cpu_attention
-from minillm.engines.s3_paged.attention import TorchAttention
-from minillm.engines.s3_paged.cpu_attention import CppAttention, cpp_available
+from minillm.core import cpu_attention
+from minillm.core.attention.reference import TorchAttention
+from minillm.core.attention.cpp import CppAttention, cpp_available
 
 pytestmark = pytest.mark.skipif(not cpp_available(), reason="the C++ kernel cannot be built here: "
                                 f"{cpu_attention.kernel_error()}")

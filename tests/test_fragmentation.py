@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
 from minillm.memory import FREE, RESERVED, TOKEN
-from minillm.allocators import ALLOCATORS
+from minillm.engines.r5_allocators import ALLOCATORS
 from minillm.viz.accounting import SimConfig
 from minillm.viz.replay import compare, simulate
 from minillm.viz.traces import Trace, record_paged_run, replay_trace, trace_from_run
@@ -261,8 +261,8 @@ def test_contiguous_allocator_reserves_at_admission_and_copies_on_fork():
     reserves three regions when admitted; a fork copies the prompt into one of them; the spare
     regions go back when the request's last sequence is freed; a head that fits in the total
     free space but in no hole sees external fragmentation."""
-    from minillm.allocators import ContiguousAllocator, make_allocator
-    from minillm.engines.s3_paged.sequence import Sequence
+    from minillm.engines.r5_allocators import ContiguousAllocator, make_allocator
+    from minillm.core.sequence import Sequence
     from minillm.request import Request
 
     alloc = make_allocator("exact", 100)
@@ -294,8 +294,8 @@ def test_contiguous_allocator_reserves_at_admission_and_copies_on_fork():
 
 
 def test_a_replaced_allocator_needs_a_runner_for_it(tiny):
-    from minillm.allocators import make_allocator
-    from minillm.engines.s3_paged.engine import PagedEngine
+    from minillm.engines.r5_allocators import make_allocator
+    from minillm.core.engine import PagedEngine
     with pytest.raises(ValueError, match="pass a runner"):
         PagedEngine(tiny, block_manager=make_allocator("exact", 64))
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from minillm.engines.s3_paged.attention import TorchAttention
-from minillm.engines.s3_paged.block_manager import BlockManager
-from minillm.engines.s3_paged.runner import ModelRunner
-from minillm.engines.s3_paged.sequence import Sequence
+from minillm.core.attention.reference import TorchAttention
+from minillm.core.block_manager import BlockManager
+from minillm.core.runner import ModelRunner
+from minillm.core.sequence import Sequence
 from minillm.models import LoadedModel, ByteTokenizer
 from minillm.request import Request, SamplingParams
 

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from minillm import LLM, FinishReason, Request, SamplingParams
 from minillm.engines import create_engine
-from minillm.engines.s6_pipeline.comm import PipelineError
-from minillm.engines.s6_pipeline.engine import PipelineEngine
-from minillm.engines.s6_pipeline.stage import EXIT_HOOK_ENV, split_layers
-from minillm.engines.s6_pipeline.timeline import KINDS, summarize
+from minillm.engines.r7_pipeline.comm import PipelineError
+from minillm.engines.r7_pipeline.engine import PipelineEngine
+from minillm.engines.r7_pipeline.stage import EXIT_HOOK_ENV, split_layers
+from minillm.engines.r7_pipeline.timeline import KINDS, summarize
 from minillm.lab.reference import random_prompts
 
 ROOMY = dict(block_size=16, num_blocks=256)

@@ -30,7 +30,7 @@ import torch
 
 from minillm import FinishReason, Request, RequestError, SamplingParams, load_model
 from minillm.engines import create_engine
-from minillm.engines.s3_paged.block_manager import blocks_for_request
+from minillm.core.block_manager import blocks_for_request
 from minillm.request import RequestOutput
 
 BLOCK_SIZES = (1, 2, 4, 8, 16)

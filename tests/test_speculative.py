@@ -11,8 +11,8 @@ import torch
 
 from conftest import assert_greedy_match, drain, hf_greedy, random_prompts
 from minillm import LLM, SamplingParams
-from minillm.engines.s5_speculative import SpeculativeConfig
-from minillm.engines.s5_speculative.proposers import NgramProposer
+from minillm.engines.r6_speculative import SpeculativeConfig
+from minillm.engines.r6_speculative.proposers import NgramProposer
 from minillm.lab.checks import check_block_invariants
 from minillm.request import FinishReason, Request
 

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
-from minillm.engines.s3_paged.block_manager import BlockManager
-from minillm.engines.s3_paged.sequence import Sequence
-from minillm.engines.s5_speculative.proposers import DraftModelProposer
-from minillm.engines.s5_speculative.rejection import accept_greedy, accept_sampled
+from minillm.core.block_manager import BlockManager
+from minillm.core.sequence import Sequence
+from minillm.engines.r6_speculative.proposers import DraftModelProposer
+from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled
 from minillm.lab.checks import check_block_invariants
 from minillm.request import Request
 from test_speculative import assert_pool_full, run

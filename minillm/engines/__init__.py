@@ -12,6 +12,7 @@ import importlib
 import inspect
 from dataclasses import dataclass, field
 
+from ..core.attention import get_attention_backend
 from .base import Engine, RunResult, StepOutput
 
 # Constructor parameters that are plumbing, not user options.
@@ -23,12 +24,12 @@ _INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "bloc
 class EngineSpec:
     name: str
     step: int
-    module: str                       # under minillm.engines
+    module: str                       # the module that defines ``cls``
     cls: str
     fixed: dict = field(default_factory=dict)   # what the name implies (naive-nocache: no cache)
 
     def load(self) -> type[Engine]:
-        return getattr(importlib.import_module(f"{__name__}.{self.module}"), self.cls)
+        return getattr(importlib.import_module(self.module), self.cls)
 
     @property
     def options(self) -> dict[str, inspect.Parameter]:
@@ -52,16 +53,16 @@ class EngineSpec:
 
 
 REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
-    EngineSpec("naive-nocache", 0, "s0_naive", "NaiveEngine", {"use_cache": False}),
-    EngineSpec("naive", 0, "s0_naive", "NaiveEngine", {"use_cache": True}),
-    EngineSpec("static", 1, "s1_static", "StaticBatchEngine"),
-    EngineSpec("dynamic", 2, "s2_dynamic", "DynamicBatchEngine"),
-    EngineSpec("paged", 3, "s3_paged.engine", "PagedEngine"),
-    EngineSpec("paged+ngram", 5, "s5_speculative.engine", "SpeculativeEngine",
+    EngineSpec("naive-nocache", 0, "minillm.engines.r0_naive", "NaiveEngine", {"use_cache": False}),
+    EngineSpec("naive", 0, "minillm.engines.r0_naive", "NaiveEngine", {"use_cache": True}),
+    EngineSpec("static", 1, "minillm.engines.r1_static", "StaticBatchEngine"),
+    EngineSpec("dynamic", 2, "minillm.engines.r2_dynamic", "DynamicBatchEngine"),
+    EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine"),
+    EngineSpec("paged+ngram", 5, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
                {"speculative": "ngram"}),
-    EngineSpec("paged+draft", 5, "s5_speculative.engine", "SpeculativeEngine",
+    EngineSpec("paged+draft", 5, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
                {"speculative": "draft"}),
-    EngineSpec("pipeline", 6, "s6_pipeline.engine", "PipelineEngine"),
+    EngineSpec("pipeline", 6, "minillm.engines.r7_pipeline.engine", "PipelineEngine"),
 )}
 ENGINES = tuple(REGISTRY)
 
@@ -90,30 +91,6 @@ def create_engine(name: str, model, **options) -> Engine:
                                                    model.device)
     fixed = spec.fixed if speculative is None else {**spec.fixed, "speculative": speculative}
     return spec.load()(model, **fixed, **options)
-
-
-def get_attention_backend(name: str | None, device):
-    """``torch`` (step 3's reference), ``cpp`` (step 3's decode as a C++ kernel for the CPU) or
-    ``triton`` (step 4). By default: triton on CUDA when it is installed (else torch); on the CPU
-    cpp when it builds (a C++ compiler is there), else torch. Asking for triton where it cannot run
-    raises ``TritonUnavailableError`` saying what to install."""
-    if name is None:
-        from .s4_triton import triton_available
-        if device.type == "cuda":
-            name = "triton" if triton_available() else "torch"
-        else:
-            from .s3_paged.cpu_attention import cpp_available
-            name = "cpp" if cpp_available() else "torch"
-    if name == "torch":
-        from .s3_paged.attention import TorchAttention
-        return TorchAttention()
-    if name == "cpp":
-        from .s3_paged.cpu_attention import CppAttention
-        return CppAttention()
-    if name == "triton":
-        from .s4_triton import TritonAttention  # sets TRITON_INTERPRET=1 on CPU first
-        return TritonAttention()
-    raise ValueError(f"unknown attention_backend {name!r}: choose 'torch', 'cpp' or 'triton'")
 
 
 def all_options() -> dict[str, inspect.Parameter]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the grader's module may be a student's file: import nothing at run time
-    from minillm.engines.s3_paged.block_manager import BlockManager
-    from minillm.engines.s3_paged.sequence import Sequence
+    from minillm.core.block_manager import BlockManager
+    from minillm.core.sequence import Sequence
 
 
 def check_block_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:

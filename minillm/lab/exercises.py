@@ -42,12 +42,12 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "Pad on the left so every row's newest token is in the last column; the mask is 1 "
              "on real tokens; a row's positions count its real tokens only."),
     Exercise("02", "Dynamic batching: requests join and leave the running batch",
-             "minillm.engines.s2_dynamic", ("DynamicBatchEngine._admit", "DynamicBatchEngine._compact"),
+             "minillm.engines.r2_dynamic", ("DynamicBatchEngine._admit", "DynamicBatchEngine._compact"),
              "02_dynamic_batching", 35,
              "Newcomers are prefilled together, then take the holes first and new rows after; "
              "compaction drops the holes from the rows *and* from the KV rectangle."),
     Exercise("03", "The block manager: append, fork, free and copy-on-write",
-             "minillm.engines.s3_paged.block_manager",
+             "minillm.core.block_manager",
              ("BlockManager.blocks_needed", "BlockManager._needs_cow", "BlockManager.append_slots",
               "BlockManager.fork", "BlockManager.free", "BlockManager._release"),
              "03_block_manager", 40,
@@ -55,20 +55,20 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "the free queue when its count reaches 0; writing into a block someone else holds "
              "copies it first."),
     Exercise("03-scheduler", "The scheduler: token budget, admission and preemption",
-             "minillm.engines.s3_paged.scheduler",
+             "minillm.core.scheduler",
              ("Scheduler._schedule_running", "Scheduler._schedule_waiting", "Scheduler.preempt"),
              "03_block_manager", 45,
              "Running requests first, then waiting ones, while the budget, max_num_seqs and free "
              "blocks last; when a running sequence cannot get a block, preempt the lowest-ranked "
              "running request: free all its blocks and put it back at the front of the queue."),
     Exercise("04", "Paged attention: write K/V into slots, read them back through block tables",
-             "minillm.engines.s3_paged.attention",
+             "minillm.core.attention.reference",
              ("TorchAttention.write_kv", "TorchAttention.gather", "TorchAttention.decode"),
              "04_triton_kernels", 30,
              "Token i of a sequence lives in block block_table[i // block_size] at offset "
              "i % block_size; decode attends to the first context_lens[b] tokens only."),
     Exercise("05", "Speculative decoding: which guesses the target keeps",
-             "minillm.engines.s5_speculative.rejection", ("accept_greedy", "accept_sampled"),
+             "minillm.engines.r6_speculative.rejection", ("accept_greedy", "accept_sampled"),
              "06_speculative_decoding", 35,
              "Greedy: keep guesses while they equal the target's argmax, then add the target's "
              "own token. Sampling: keep guess d with probability min(1, p(d) / q(d)); on the "

@@ -28,8 +28,8 @@ def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int
                                  block_size: int = 16) -> tuple[int, int]:
     """Blocks held at the end by ``n`` independent requests vs one request with ``n`` samples,
     counted by running the block manager itself."""
-    from ..engines.s3_paged.block_manager import BlockManager
-    from ..engines.s3_paged.sequence import Sequence
+    from ..core.block_manager import BlockManager
+    from ..core.sequence import Sequence
     from ..request import Request, SamplingParams
 
     def used(bm: BlockManager) -> int:
@@ -61,8 +61,8 @@ def blocks_returned_after_rejection(computed: int = 30, guesses: int = 8, accept
     """Blocks a sequence gives back when it verified ``guesses`` guesses after ``computed``
     computed tokens (plus its newest token) and ``accepted`` were kept, counted by running the
     block manager's own ``truncate``."""
-    from ..engines.s3_paged.block_manager import BlockManager
-    from ..engines.s3_paged.sequence import Sequence
+    from ..core.block_manager import BlockManager
+    from ..core.sequence import Sequence
     from ..request import Request, SamplingParams
 
     bm = BlockManager(1000, block_size)

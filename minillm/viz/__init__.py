@@ -14,7 +14,7 @@ Widgets (ipywidgets classes that call the drawing functions):
 The fragmentation visualizer's replays, no model needed (05):
   accounting.py        the kinds of slots, SimConfig, SimResult (a run's StepRecords)
   replay.py            simulate / compare: the real PagedEngine, computing nothing, under one
-                       allocator of minillm/allocators/ or all of them
+                       allocator of minillm/engines/r5_allocators/ or all of them
   traces.py            Trace, trace_from_run, record_paged_run, replay_trace: real runs replayed
 Notebook set-up and the figures/ script:
   notebook.py          setup(), scratch_dir(), forward_seconds, comparison_table (00-05)

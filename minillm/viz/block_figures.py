@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from ..engines.s3_paged.block_manager import BlockManager
-from ..engines.s3_paged.sequence import Sequence
+from ..core.block_manager import BlockManager
+from ..core.sequence import Sequence
 from ..memory import CACHED, FREE, TAIL, TOKEN, MemorySnapshot
 from ..metrics import StepRecord
 from .plots import (BLUE, DARK_GREY, GREY, KIND_COLORS, ORANGE, OWNER_COLORS, RED,

@@ -162,7 +162,7 @@ def draw_snapshot(snap: MemorySnapshot, ax, title: str | None = None, max_rows: 
     """``plot_memory`` plus two things: a block pool with more than ``max_rows`` blocks is drawn
     as its address space (several blocks per row, block edges marked), and holes too small for
     the next request (external fragmentation, recorded by the contiguous allocators of
-    ``minillm/allocators``) are shaded."""
+    ``minillm/engines/r5_allocators/``) are shaded."""
     if snap.layout == "blocks" and snap.kind.shape[0] > max_rows:
         snap = as_address_space(snap, -(-snap.kind.shape[0] // max_rows))
     plot_memory(snap, ax, title=title)

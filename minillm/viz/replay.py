@@ -2,7 +2,7 @@
 
 Memory waste in a KV cache depends only on *who holds which slots when*, not on what the model
 computes. So the visualizer runs the real ``PagedEngine`` — its scheduler, its postprocess, the
-allocator of ``minillm.allocators`` it is given — with a model runner that does no math
+allocator of ``minillm.engines.r5_allocators`` it is given — with a model runner that does no math
 (``NullRunner``: a scheduled token's K/V count as written at once) and a sampler that replays
 each sample's tokens (``ReplaySampler``: recorded ones for a trace of a real run, ``DUMMY_TOKEN``
 for a synthetic workload). Hundreds of steps take a fraction of a second, which is what lets
@@ -20,12 +20,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ..allocators import ALLOCATORS, make_allocator
+from ..engines.r5_allocators import ALLOCATORS, make_allocator
 from ..engines.base import StepOutput
-from ..engines.s3_paged.beam import BeamChoice
-from ..engines.s3_paged.engine import PagedEngine
-from ..engines.s3_paged.runner import reaching_end, step_order
-from ..engines.s3_paged.sequence import Sequence
+from ..core.beam import BeamChoice
+from ..core.engine import PagedEngine
+from ..core.runner import reaching_end, step_order
+from ..core.sequence import Sequence
 from ..request import Request, RequestError, SamplingParams
 from ..workload import SimRequest
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult

@@ -70,7 +70,7 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "") ->
 
     The engine itself recorded when each request was added (``Request.added_step``) and adds
     them in order of arrival (a stable sort), which is the order the trace keeps."""
-    from ..engines.s3_paged.engine import PagedEngine
+    from ..core.engine import PagedEngine
     from ..request import FinishReason as FR
 
     if not isinstance(engine, PagedEngine):

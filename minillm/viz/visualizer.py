@@ -1,6 +1,6 @@
 """``FragmentationVisualizer``, the ipywidget of notebook 05 (``05_fragmentation_visualizer``).
 
-Controls for a workload (``minillm/workload.py``) and the allocators (``minillm/allocators``), a time slider,
+Controls for a workload (``minillm/workload.py``) and the allocators (``minillm/engines/r5_allocators/``), a time slider,
 a table of waste per allocator at the same budget, and loading of a trace recorded from a real
 engine run (``traces.py``). Every control re-runs all the allocators (``replay.compare``).
 No drawing here: the picture is ``notebook_figures.allocator_figure``, rendered into PNG bytes
@@ -15,7 +15,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from ..memory import waste_fraction
-from ..allocators import ALLOCATORS
+from ..engines.r5_allocators import ALLOCATORS
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
 from .replay import compare
 from .frames import PLAY_MIN_INTERVAL_MS, FramePlayer

@@ -7,7 +7,7 @@ more than ``max_num_seqs`` requests, end empty, and produce Hugging Face's token
 from __future__ import annotations
 
 from minillm import SamplingParams
-from minillm.engines.s2_dynamic import DynamicBatchEngine
+from minillm.engines.r2_dynamic import DynamicBatchEngine
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 from minillm.request import Request
 

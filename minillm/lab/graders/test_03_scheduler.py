@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
-from minillm.engines.s3_paged.block_manager import BlockManager
-from minillm.engines.s3_paged.runner import reaching_end, step_order
-from minillm.engines.s3_paged.scheduler import Scheduler, SchedulerOutput
+from minillm.core.block_manager import BlockManager
+from minillm.core.runner import reaching_end, step_order
+from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.lab.checks import check_block_invariants
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 from minillm.request import Request

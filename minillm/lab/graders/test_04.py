@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
-from minillm.engines.s3_paged.attention import TorchAttention
+from minillm.core.attention.reference import TorchAttention
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 
 

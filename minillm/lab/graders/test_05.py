@@ -15,7 +15,7 @@ import random
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.engines.s5_speculative.rejection import accept_greedy, accept_sampled
+from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 from minillm.request import Request
 

@@ -17,9 +17,9 @@ import time
 
 from ...request import Request, SpecStats, stop_reason
 from ..base import StepOutput
-from ..s3_paged.engine import PagedEngine
-from ..s3_paged.scheduler import SchedulerOutput
-from ..s3_paged.sequence import Sequence
+from ...core.engine import PagedEngine
+from ...core.scheduler import SchedulerOutput
+from ...core.sequence import Sequence
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .rejection import accept

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...request import FinishReason, Request
+from ..request import FinishReason, Request
 
 _seq_ids = itertools.count()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .attention import TorchAttention
+from .reference import TorchAttention
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 _lock = threading.Lock()

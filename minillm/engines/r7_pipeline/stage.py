@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..s3_paged.attention import AttentionMetadata
-from ..s3_paged.model import PagedLlama
-from ..s3_paged.runner import ModelRunner, reaching_end
-from ..s3_paged.sequence import Sequence
+from ...core.attention.reference import AttentionMetadata
+from ...core.model import PagedLlama
+from ...core.runner import ModelRunner, reaching_end
+from ...core.sequence import Sequence
 from .comm import IDLE_TIMEOUT_S, Comm
 from .timeline import Event
 

@@ -1,7 +1,7 @@
 """Busy and bubble fractions of each pipeline rank with 1, 2, 4 micro-batches in flight
 (notebook 07 draws the same runs as Gantt charts).
 
-    python -m minillm.engines.s6_pipeline.measure --model smollm2-135m-instruct --stages 2 \\
+    python -m minillm.engines.r7_pipeline.measure --model smollm2-135m-instruct --stages 2 \\
         --microbatches 1,2,4 --requests 16 --gantt pipeline.png
 
 One pipeline is launched and the same workload (``minillm.workload``, greedy, fixed lengths) is run
@@ -93,7 +93,7 @@ def plot_runs(runs: list[Measurement], path: str | None = None):
 def main(argv: list[str] | None = None) -> int:
     from ...llm import LLM
 
-    p = argparse.ArgumentParser(prog="python -m minillm.engines.s6_pipeline.measure",
+    p = argparse.ArgumentParser(prog="python -m minillm.engines.r7_pipeline.measure",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")

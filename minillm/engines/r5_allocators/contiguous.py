@@ -13,7 +13,7 @@ A request with n > 1 samples or beams needs one region per sample, all reserved 
 a fork *copies* its parent's tokens into a region of its own (paging shares them instead). Holes
 too small for the request at the head of the queue are external fragmentation
 (``counts().external``). The scheduler drives this allocator exactly as it drives the
-``BlockManager`` (``minillm.allocators.KVAllocator``); a sequence's ``block_table`` holds one
+``BlockManager`` (``minillm.engines.r5_allocators.KVAllocator``); a sequence's ``block_table`` holds one
 entry, its region's start address.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines.s3_paged.block_manager import NoFreeBlocksError
-from ..engines.s3_paged.sequence import Sequence
-from ..memory import FREE, RESERVED, TOKEN, KVCounts, MemorySnapshot
-from ..request import Request
+from ...core.block_manager import NoFreeBlocksError
+from ...core.sequence import Sequence
+from ...memory import FREE, RESERVED, TOKEN, KVCounts, MemorySnapshot
+from ...request import Request
 
 MODES = ("max-length", "exact")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...sampling import sample_tokens
+from ..sampling import sample_tokens
 from .sequence import Sequence
 
 Tokens = list[tuple[Sequence, int]]

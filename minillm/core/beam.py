@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...allocators import KVAllocator
-from ...request import FinishReason
+from .allocator import KVAllocator
+from ..request import FinishReason
 from .sequence import Sequence, SequenceGroup
 
 

@@ -12,10 +12,10 @@ import time
 
 from torch.profiler import record_function
 
-from ...memory import KVCounts, MemorySnapshot
-from ...request import FinishReason, Request, RequestError, check_int
-from ..base import Engine, StepOutput
-from .attention import TorchAttention
+from ..memory import KVCounts, MemorySnapshot
+from ..request import FinishReason, Request, RequestError, check_int
+from ..engines.base import Engine, StepOutput
+from .attention.reference import TorchAttention
 from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -38,7 +38,7 @@ class PagedEngine(Engine):
         ``attention_backend="torch"|"cpp"|"triton"``; default: step 3's torch reference).
         ``runner``/``sampler`` replace the model runner and the sampler, ``block_manager`` the
         KV allocator (the visualizer replays workloads with a runner that computes nothing, under
-        each allocator of ``minillm.allocators``); by default the real ones are built."""
+        each allocator of ``minillm.engines.r5_allocators``); by default the real ones are built."""
         super().__init__(model)
         block_size = check_int("block_size", block_size, 1)
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)

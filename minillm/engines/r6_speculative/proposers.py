@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 
 from ...request import SamplingParams
-from ..s3_paged.block_manager import BlockManager
-from ..s3_paged.runner import ModelRunner
-from ..s3_paged.sequence import Sequence
+from ...core.block_manager import BlockManager
+from ...core.runner import ModelRunner
+from ...core.sequence import Sequence
 from .rejection import full_probs, inverse_cdf, spec_uniform
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...memory import CACHED, FREE, TAIL, TOKEN, KVCounts, MemorySnapshot
-from ...request import Request
+from ..memory import CACHED, FREE, TAIL, TOKEN, KVCounts, MemorySnapshot
+from ..request import Request
 from .sequence import Sequence
 
 BlockKey = tuple  # (parent hash, token ids of the block): the content a hash stands for
@@ -54,7 +54,7 @@ def blocks_for_request(prompt_len: int, num_output_tokens: int, width: int, bloc
 
 
 class BlockManager:
-    """The paged allocator behind ``minillm.allocators.KVAllocator``: the interface the scheduler
+    """The paged allocator behind ``minillm.engines.r5_allocators.KVAllocator``: the interface the scheduler
     drives (the visualizer's contiguous allocators implement the same one)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):

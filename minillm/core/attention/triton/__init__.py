@@ -103,7 +103,7 @@ def require_triton() -> None:
 
 
 def __getattr__(name: str):
-    # Imported lazily so that ``import minillm.engines.s4_triton`` works without triton installed;
+    # Imported lazily so that ``import minillm.core.attention.triton`` works without triton installed;
     # asking for the backend without triton raises TritonUnavailableError (an ImportError).
     if name == "TritonAttention":
         require_triton()

@@ -32,10 +32,10 @@ import torch
 
 from ...request import check_int
 from ..base import StepOutput
-from ..s3_paged.engine import PagedEngine
-from ..s3_paged.model import PagedLlama
-from ..s3_paged.scheduler import SchedulerOutput
-from ..s3_paged.sequence import Sequence
+from ...core.engine import PagedEngine
+from ...core.model import PagedLlama
+from ...core.scheduler import SchedulerOutput
+from ...core.sequence import Sequence
 from .comm import PipelineError, deferred_interrupt
 from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
 from .stage import StageConfig, StageRunner

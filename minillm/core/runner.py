@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from ...models import LoadedModel
-from .attention import AttentionMetadata
+from ..models import LoadedModel
+from .attention.reference import AttentionMetadata
 from .model import PagedLlama
 from .sequence import Sequence
 

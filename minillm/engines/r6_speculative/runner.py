@@ -11,8 +11,8 @@ and the whole verification runs in the batched decode attention beside the ordin
 """
 from __future__ import annotations
 
-from ..s3_paged.runner import ModelRunner
-from ..s3_paged.sequence import Sequence
+from ...core.runner import ModelRunner
+from ...core.sequence import Sequence
 
 
 class VerifyRunner(ModelRunner):

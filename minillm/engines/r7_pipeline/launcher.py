@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..s3_paged.model import PagedLlama
+from ...core.model import PagedLlama
 from .comm import CONNECT_TIMEOUT_S, Comm, PipelineError, group_from_env, new_group
 from .stage import StageConfig, StageRunner, serve
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...allocators import KVAllocator
-from ...request import FinishReason, Request, RequestError, stop_reason
+from .allocator import KVAllocator
+from ..request import FinishReason, Request, RequestError, stop_reason
 from .beam import beam_step, select_beams
 from .sequence import Sequence, SequenceGroup
 
@@ -49,7 +49,7 @@ class SchedulerOutput:
 
 class Scheduler:
     """Owns the requests in flight (``groups``) and the KV allocator (the ``BlockManager``, or
-    any other ``minillm.allocators.KVAllocator``): ``schedule`` decides a step, ``postprocess``
+    any other ``minillm.core.allocator.KVAllocator``): ``schedule`` decides a step, ``postprocess``
     commits it (tokens appended, samples forked, finished ones freed)."""
 
     def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,

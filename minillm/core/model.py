@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .attention import AttentionMetadata, paged_attention
+from .attention.reference import AttentionMetadata, paged_attention
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 # Importing this module runs the package's __init__ first, which sets TRITON_INTERPRET on a
 # machine without CUDA before ``kernels`` imports triton.
-from ..s3_paged.attention import AttentionMetadata
+from ..reference import AttentionMetadata
 from . import kernels
 
 

@@ -1,0 +1,14 @@
+"""The core: the paged engine every rung from 3 on is built from (rung 3, notebook 03).
+
+Read it in the order a request travels through one engine step:
+
+    request -> scheduler.py (token budget, admission, preemption)
+            -> allocator.py / block_manager.py (KV slots in blocks: share, copy on write, cache)
+            -> runner.py + model.py + attention/ (one batched forward over the KV pool)
+            -> sampler.py (+ beam.py) -> scheduler.postprocess (tokens committed, stops checked)
+
+``engine.py`` is that step (``PagedEngine``); ``sequence.py`` holds a request's samples.
+``attention/`` holds the backends: the torch reference (rung 3) and the kernels (rung 4: C++ on
+the CPU, Triton on the GPU). Later rungs (``minillm/engines/r5_*`` to ``r7_*``) compose and
+extend these pieces; they do not copy them.
+"""
