@@ -76,15 +76,17 @@ html: setup
 kernels: setup
 	$(BIN)/python -m minillm.bench_kernels
 
-# The classroom labs (docs/TEACHING.md): `make start STEP=03`, write the TODOs, `make check STEP=03`.
+# The classroom labs (docs/TEACHING.md): `make start EX=03`, write the TODOs, `make check EX=03`.
+# (EX: the exercise; STEP= still works, from before exercises were numbered by rung.)
 STEP ?=
+EX ?= $(STEP)
 start: setup
-	@test -n "$(STEP)" || { $(BIN)/python -m minillm.lab list; echo; echo "usage: make start STEP=03"; exit 2; }
-	$(BIN)/python -m minillm.lab start $(STEP)
+	@test -n "$(EX)" || { $(BIN)/python -m minillm.lab list; echo; echo "usage: make start EX=03"; exit 2; }
+	$(BIN)/python -m minillm.lab start $(EX)
 
 check: setup
-	@test -n "$(STEP)" || { $(BIN)/python -m minillm.lab list; echo; echo "usage: make check STEP=03"; exit 2; }
-	$(BIN)/python -m minillm.lab check $(STEP)
+	@test -n "$(EX)" || { $(BIN)/python -m minillm.lab list; echo; echo "usage: make check EX=03"; exit 2; }
+	$(BIN)/python -m minillm.lab check $(EX)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

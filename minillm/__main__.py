@@ -42,7 +42,7 @@ OPTION_HELP = {
     "policy": "paged: scheduling order (fcfs, priority)",
     "attention_backend": "paged: attention backend, torch, cpp or triton (default: triton on CUDA, "
                          "cpp on CPU where a C++ compiler builds it, else torch)",
-    # step 6, pipeline parallelism (--pipeline-parallel N selects the pipeline engine)
+    # rung 7, pipeline parallelism (--pipeline-parallel N selects the pipeline engine)
     "pipeline_parallel_size": "pipeline: number of stages (processes), >= 2",
     "num_microbatches": "pipeline: micro-batches in flight (default: one per stage)",
     "worker_threads": "pipeline: torch threads per spawned worker",
@@ -59,7 +59,7 @@ OPTION_HELP = {
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """One flag per option of any engine (``--block-size`` for ``block_size``, ...)."""
-    g = p.add_argument_group("engine options (step 1-3)")
+    g = p.add_argument_group("engine options (rung 1-3)")
     for name, param in all_options().items():
         flags = ["--" + name.replace("_", "-")] + (["--attention"] if name == "attention_backend" else [])
         flags += ["--pipeline-parallel"] if name == "pipeline_parallel_size" else []
@@ -210,7 +210,7 @@ def fail(message: str) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     pipeline = getattr(args, "pipeline_parallel_size", None) or args.engine == "pipeline"
     if pipeline and int(os.environ.get("RANK", 0)) > 0:
-        # Step 6 under torchrun: ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
+        # Rung 7 under torchrun: ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
         # the prompts, schedules and writes --out.
         from .engines.r7_pipeline.launcher import torchrun_worker
         return torchrun_worker(args.model, args.pipeline_timeout_s or 60)

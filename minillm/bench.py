@@ -255,7 +255,7 @@ def exp_capacity(model, n: int, seed: int, options: dict, reserve_tokens: int = 
 
 def exp_speculative(model, n: int, seed: int, options: dict,
                     lengths: tuple[int, int] = (64, 128)) -> dict:
-    """Step 5: plain paged vs paged+ngram vs paged+draft on the chat mix and on copy-heavy
+    """Rung 6: plain paged vs paged+ngram vs paged+draft on the chat mix and on copy-heavy
     requests (``lengths`` output tokens), one request at a time (batch 1, ``n // 16`` requests)
     and at the concurrency cap (``n`` requests, all at once). Speed-up is output tok/s over plain
     paged's on the same requests. Notebook 06 runs it small."""

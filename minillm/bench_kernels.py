@@ -1,4 +1,4 @@
-"""Micro-benchmark of step 4's Triton kernels: ``python -m minillm.bench_kernels [--quick]``.
+"""Micro-benchmark of rung 4's Triton kernels: ``python -m minillm.bench_kernels [--quick]``.
 
 On a CUDA GPU it times, for one attention layer of a Llama-3-8B-shaped model (32 query heads,
 8 KV heads, head_dim 128, fp16):
@@ -14,7 +14,7 @@ fraction of what a plain large ``copy_`` reaches on this device: close to 1 mean
 streams the cache about as fast as the hardware can.
 
 Without a GPU Triton's timings would be meaningless (its kernels run in a numpy interpreter), so
-on the CPU it times the decode attention that does run there -- step 3's torch reference (gather,
+on the CPU it times the decode attention that does run there -- rung 3's torch reference (gather,
 then SDPA), the C++ kernel that reads blocks in place, SDPA on contiguous K/V -- in SmolLM2's
 shape, then runs a small correctness sweep of the Triton kernels and exits non-zero on any failure.
 """
@@ -240,7 +240,7 @@ def bench_case(batch: int, ctx: int, bs: int, copy_bw: float, device: str = "cud
 def cpu_decode_rows(batches=(1, 16, 64, 128, 256), contexts=(155, 1024), repeats: int = 20
                     ) -> list[dict]:
     """On the CPU, one decode layer of SmolLM2's shape (9 heads, 3 KV heads, head_dim 64, fp32):
-    step 3's torch reference (gather the blocks into a padded copy, then SDPA), the C++ kernel
+    rung 3's torch reference (gather the blocks into a padded copy, then SDPA), the C++ kernel
     that reads the blocks in place, and SDPA on K/V already contiguous (no paging at all)."""
     import time
 

@@ -24,7 +24,7 @@ class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, engine: str = "paged",
                  device: str | None = None, **engine_options):
         if engine == "paged" and engine_options.get("pipeline_parallel_size") is not None:
-            engine = "pipeline"   # the paged engine cut into stages across processes (step 6)
+            engine = "pipeline"   # the paged engine cut into stages across processes (rung 7)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
         self.model = model if isinstance(model, LoadedModel) else load_model(model, device)

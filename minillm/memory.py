@@ -3,8 +3,8 @@
 The KV cache is drawn as a grid of *token slots*: one cell holds one token's keys and values for
 every layer (``bytes_per_slot`` bytes). What a row means is the snapshot's ``layout``:
 
-* ``"rectangle"`` (steps 0-2, contiguous KV): a row is one batch row; columns are positions;
-* ``"blocks"`` (step 3, paged KV): a row is one physical block; columns are its ``block_size`` slots;
+* ``"rectangle"`` (rungs 0-2, contiguous KV): a row is one batch row; columns are positions;
+* ``"blocks"`` (rung 3, paged KV): a row is one physical block; columns are its ``block_size`` slots;
 * ``"address"`` (the contiguous allocators): one flat address space of ``extra["budget_slots"]``
   slots, wrapped in rows (cells past its end, in the last row, are not memory).
 
@@ -128,7 +128,7 @@ class MemorySnapshot:
 
 def rectangle_snapshot(engine: str, step: int, rows: list[tuple[str, int, int, int]] | list[None],
                        width: int, bytes_per_slot: int) -> MemorySnapshot:
-    """Snapshot of a contiguous KV rectangle (steps 0-2).
+    """Snapshot of a contiguous KV rectangle (rungs 0-2).
 
     ``rows[i]`` is ``(request_id, pad_left, num_tokens, num_reserved)`` laid out left to right
     (padding, then tokens, then reserved slots), or ``None`` for an empty row (a hole).

@@ -10,7 +10,7 @@ Names:
     as the real model, just small.
   * a path to any local Hugging Face Llama-family directory (config.json + weights + tokenizer).
 
-Every engine receives the same ``LoadedModel``; steps 0-2 call the Hugging Face module, step 3
+Every engine receives the same ``LoadedModel``; rungs 0-2 call the Hugging Face module, rung 3
 reads its weights into minillm's own forward pass.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
     tok = AutoTokenizer.from_pretrained(path)
-    # sdpa keeps the HF baseline honest; "eager" would make steps 0-2 look slower than they are.
+    # sdpa keeps the HF baseline honest; "eager" would make rungs 0-2 look slower than they are.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model, tok
 

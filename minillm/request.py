@@ -67,8 +67,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()   # any sequence of ids; kept as a tuple
     ignore_eos: bool = False
-    n: int = 1               # parallel samples sharing one prompt (step 3)
-    beam_width: int = 1      # beam search (step 3); 1 = off
+    n: int = 1               # parallel samples sharing one prompt (rung 3)
+    beam_width: int = 1      # beam search (rung 3); 1 = off
 
     def __post_init__(self):
         self._set("max_tokens", check_int("max_tokens", self.max_tokens, 1))
@@ -125,7 +125,7 @@ class SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Speculative decoding's counters (step 5, notebook 06): per request on ``Request.spec`` and
+    """Speculative decoding's counters (rung 6, notebook 06): per request on ``Request.spec`` and
     ``RequestOutput.spec``, per run in ``RunMetrics.extra["speculative"]``."""
 
     num_steps: int = 0        # verification steps (one target forward each)
@@ -181,7 +181,7 @@ class Request:
     # n > 1 / beam search: every sample's (or beam's) tokens, best first, once the request ends
     samples: list[list[int]] = field(default_factory=list)
     beam_choices: list = field(default_factory=list)   # beam search: each step's choice (traces)
-    spec: SpecStats | None = None        # speculative decoding's counters (step 5)
+    spec: SpecStats | None = None        # speculative decoding's counters (rung 6)
 
     def __post_init__(self):
         if not self.request_id:
@@ -254,7 +254,7 @@ class RequestOutput:
     num_preemptions: int = 0
     # n > 1 / beam search: every sequence of the request, best first (``token_ids`` is the first)
     samples: list[list[int]] = field(default_factory=list)
-    spec: SpecStats | None = None      # speculative decoding's counters (step 5)
+    spec: SpecStats | None = None      # speculative decoding's counters (rung 6)
 
     @property
     def tpot_s(self) -> float | None:

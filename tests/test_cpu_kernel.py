@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel (step 3's decode for the CPU) against the torch reference and
+"""The C++ paged decode kernel (rung 3's decode for the CPU) against the torch reference and
 textbook attention, and the paged engine's tokens with it. Same traps as the Triton tests
 (kvtools.PagedKV): shuffled blocks from a larger pool, NaN wherever no sequence lives."""
 from __future__ import annotations

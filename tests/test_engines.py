@@ -91,7 +91,7 @@ def test_eos_stops_request(tiny):
 
 
 def test_naive_nocache_and_cache_cost(tiny):
-    """Step 0's lesson: without a cache each step re-runs the whole sequence (O(n^2) tokens)."""
+    """Rung 0's lesson: without a cache each step re-runs the whole sequence (O(n^2) tokens)."""
     prompt, n = random_prompts(1, seed=2, lo=10, hi=10)[0], 20
     computed = {}
     for engine in ("naive-nocache", "naive"):

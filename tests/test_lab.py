@@ -24,11 +24,11 @@ WRONG = {
     "03-scheduler": ("            self.bm.free(seq)\n            seq.pending_logprobs = None",
                      "            seq.pending_logprobs = None"),   # preempted, blocks kept
     "04": ("attn_mask=bias, scale=scale)", "attn_mask=None, scale=scale)"),  # past context_lens
-    "05": ("        out.append(target)\n        if guess != target:",
+    "06": ("        out.append(target)\n        if guess != target:",
            "        out.append(guess)\n        if guess != target:"),    # the wrong guess kept
 }
-# Exercise 05's sampled mistake: after a rejection, draw from p again instead of max(0, p - q)
-WRONG_05_RESIDUAL = ("residual = (target - q).clamp_(min=0)", "residual = target.clone()")
+# Exercise 06's sampled mistake: after a rejection, draw from p again instead of max(0, p - q)
+WRONG_06_RESIDUAL = ("residual = (target - q).clamp_(min=0)", "residual = target.clone()")
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone
 
@@ -96,9 +96,9 @@ def test_grader_passes_the_reference_and_fails_skeleton_and_mistake(ex_id, tmp_p
         wrong = grade(ex, tmp_path, source.replace(*WRONG_03_FREE))
         assert wrong.returncode != 0, "03: the grader accepts freeing a shared block"
         assert "free queue" in wrong.stdout, wrong.stdout[-2000:]
-    if ex_id == "05":
-        wrong = grade(ex, tmp_path, source.replace(*WRONG_05_RESIDUAL))
-        assert wrong.returncode != 0, "05: the grader accepts resampling from p after a rejection"
+    if ex_id == "06":
+        wrong = grade(ex, tmp_path, source.replace(*WRONG_06_RESIDUAL))
+        assert wrong.returncode != 0, "06: the grader accepts resampling from p after a rejection"
         assert "does not follow the target's distribution" in wrong.stdout, wrong.stdout[-2000:]
 
 

@@ -1,4 +1,4 @@
-"""minillm's own forward (step 3) equals the Hugging Face model's logits within fp32 rounding,
+"""minillm's own forward (rung 3) equals the Hugging Face model's logits within fp32 rounding,
 also when the prompt is split into chunks that read the cached prefix through block tables."""
 from __future__ import annotations
 

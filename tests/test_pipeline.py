@@ -1,4 +1,4 @@
-"""Step 6, pipeline parallelism: 2 and 3 ranks on CPU with gloo give the single-process paged
+"""Rung 7, pipeline parallelism: 2 and 3 ranks on CPU with gloo give the single-process paged
 engine's tokens, token for token — with micro-batches in flight, preemption, prefix caching,
 n > 1 and beams — and a worker that dies mid-run is a clear error, never a hang.
 

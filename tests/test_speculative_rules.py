@@ -1,4 +1,4 @@
-"""Step 5, speculative decoding's rules: the acceptance rules (greedy; rejection sampling, whose
+"""Rung 6, speculative decoding's rules: the acceptance rules (greedy; rejection sampling, whose
 tokens must follow the target's distribution: chi-square tests, on a 5-token vocabulary and on the
 engine), a fixed seed's independence from the batch, and the block books under random propose /
 accept / truncate / fork / free (hypothesis, with a simulated KV store)."""

@@ -1,4 +1,4 @@
-"""Step 4's Triton kernels against step 3's torch reference, and the reference against dense math.
+"""Rung 4's Triton kernels against rung 3's torch reference, and the reference against dense math.
 
 Runs on CPU through the Triton interpreter (kept small so the file takes well under two minutes
 on two cores); on a CUDA machine the same tests would compile the kernels natively.

@@ -1,6 +1,6 @@
 """Triton is optional: requirements.txt installs it only on Linux (the only wheels there are).
 
-Everything but step 4 must import and run without it, and asking for step 4's attention backend
+Everything but rung 4 must import and run without it, and asking for rung 4's attention backend
 without it must say what to do instead of failing deep inside an import. Triton is hidden here
 (``sys.modules["triton"] = None`` makes ``import triton`` raise ImportError), so these tests run
 the same whether or not it is installed.
@@ -19,7 +19,7 @@ from minillm.engines import get_attention_backend
 
 CPU = torch.device("cpu")
 
-# Run in a fresh interpreter where triton cannot be imported: every module but step 4's kernels
+# Run in a fresh interpreter where triton cannot be imported: every module but rung 4's kernels
 # imports, and the paged engine generates with the torch backend (the CPU default).
 WITHOUT_TRITON = r"""
 import importlib, pkgutil, sys
@@ -74,7 +74,7 @@ def test_no_wheel_platforms_are_told_so(no_triton, monkeypatch, plat, machine):
 @pytest.mark.parametrize("interpret", [None, "0", "1"])
 def test_triton_available_agrees_with_require_triton(monkeypatch, installed, cuda, interpret):
     """``triton_available()`` is True exactly when triton imports and there is CUDA or
-    TRITON_INTERPRET=1, and exactly then ``require_triton()`` lets step 4 run (a stand-in module
+    TRITON_INTERPRET=1, and exactly then ``require_triton()`` lets rung 4 run (a stand-in module
     plays an installed triton >= 3.7, so this runs the same with or without the real one)."""
     monkeypatch.setitem(sys.modules, "triton",
                         types.SimpleNamespace(__version__="3.7.1") if installed else None)

@@ -167,7 +167,7 @@ class BlockManager:
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the K/V of ``seq``'s first ``num_tokens`` positions only: speculative decoding's
-        rollback of rejected guesses (step 5, notebook 06). Blocks wholly past them go back to the
+        rollback of rejected guesses (rung 6, notebook 06). Blocks wholly past them go back to the
         pool at once (one reference each: a block another sequence shares stays theirs); the
         partial last block is kept, and its slots past ``num_tokens`` are overwritten by the next
         tokens. That block is written again only if this sequence alone holds it and it is not in

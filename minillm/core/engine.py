@@ -1,4 +1,4 @@
-"""Step 3 — the paged engine: block manager + scheduler + our own forward (notebook 03).
+"""Rung 3 — the paged engine: block manager + scheduler + our own forward (notebook 03).
 
 One step, data flowing one way: ``Scheduler.schedule`` picks (sequence, tokens) pairs within the
 token budget and reserves their KV slots -> ``ModelRunner.run`` does the copy-on-write copies and
@@ -35,7 +35,7 @@ class PagedEngine(Engine):
                  policy: str = "fcfs", backend=None, runner=None, sampler=None,
                  block_manager=None):
         """``backend``: the attention backend (``create_engine`` picks it from
-        ``attention_backend="torch"|"cpp"|"triton"``; default: step 3's torch reference).
+        ``attention_backend="torch"|"cpp"|"triton"``; default: rung 3's torch reference).
         ``runner``/``sampler`` replace the model runner and the sampler, ``block_manager`` the
         KV allocator (the visualizer replays workloads with a runner that computes nothing, under
         each allocator of ``minillm.engines.r5_allocators``); by default the real ones are built."""

@@ -1,6 +1,6 @@
 """minillm's own forward pass for the Llama family (and Qwen2, which adds q/k/v biases).
 
-Why not keep calling the Hugging Face module as steps 0-2 do? Its attention expects each
+Why not keep calling the Hugging Face module as rungs 0-2 do? Its attention expects each
 sequence's KV as one contiguous tensor. A paged engine needs attention that reads K/V through a
 block table, and a batch that is one flat list of tokens from many sequences (some decoding one
 token, some prefilling a chunk). So we read HF's weights and write the forward ourselves — in
@@ -95,7 +95,7 @@ class PagedLlama:
         """Only the rows that need a next token are projected: the vocab matmul is expensive."""
         return F.linear(hidden, self.lm_head).float()
 
-    # --- the pieces of ``forward``; a pipeline stage (step 6, minillm/engines/s6_pipeline) runs
+    # --- the pieces of ``forward``; a pipeline stage (rung 7, minillm/engines/r7_pipeline) runs
     # only its slice of the layers: the first stage embeds, the last applies the final norm.
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed)

@@ -60,7 +60,7 @@ class ModelRunner:
     def split(self, scheduled: list[tuple[Sequence, int]]):
         """(decodes, prefills): which of a step's sequences attend as decode rows (each of their n
         tokens one row, its context ending at its own position) and which as prefill chunks.
-        Here: one-token decodes, and chunks. Step 5's verification overrides it."""
+        Here: one-token decodes, and chunks. Rung 6's verification overrides it."""
         order = step_order(scheduled)
         return [(s, n) for s, n in order if n == 1], [(s, n) for s, n in order if n > 1]
 
@@ -101,7 +101,7 @@ class ModelRunner:
             num_rows: dict[int, int] | None = None) -> tuple[list[Sequence], torch.Tensor]:
         """One forward; returns the sequences that reached their newest token and their logits.
 
-        ``num_rows`` (seq_id -> r; speculative decoding, step 5) asks for the logits of such a
+        ``num_rows`` (seq_id -> r; speculative decoding, rung 6) asks for the logits of such a
         sequence's last r positions, in order, instead of its last one: r consecutive rows."""
         ids, pos, meta, order, last = self.prepare(scheduled)
         with record_function("minillm::forward"):     # scopes for `make profile` (profile_step.py)

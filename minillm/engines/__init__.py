@@ -1,10 +1,10 @@
-"""The ladder: one module per step, all behind the ``Engine`` interface of ``base.py``.
+"""The ladder: one module per rung, all behind the ``Engine`` interface of ``base.py``.
 
 ``REGISTRY`` is the one list of engines: name -> class, the options its constructor takes (read
 from its signature, so no list of options is kept by hand anywhere) and what it can do (abort,
 n > 1 and beam search: class attributes of the engine). The CLI, the benchmark and ``LLM`` all go
-through ``create_engine``. The attention backend of step 3 is chosen here too: step 3 itself never
-imports step 4.
+through ``create_engine``. The attention backend of rung 3 is chosen here too: rung 3 itself never
+imports rung 4.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from .base import Engine, RunResult, StepOutput
 
 # Constructor parameters that are plumbing, not user options.
 _INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "block_manager",
-             "group", "proposer"}   # group: the pipeline's process group under torchrun (step 6)
+             "group", "proposer"}   # group: the pipeline's process group under torchrun (rung 7)
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
-    step: int
+    rung: int                         # its place on the ladder = its notebook's number
     module: str                       # the module that defines ``cls``
     cls: str
     fixed: dict = field(default_factory=dict)   # what the name implies (naive-nocache: no cache)
@@ -36,7 +36,7 @@ class EngineSpec:
         """The options a user may pass, by name (parameters of the engine's constructor)."""
         params = inspect.signature(self.load().__init__).parameters
         extra = {"attention_backend": None} if self.name.startswith("paged") else {}
-        if self.name == "paged":    # ``paged`` + ``speculative="ngram"`` is step 5's engine
+        if self.name == "paged":    # ``paged`` + ``speculative="ngram"`` is rung 6's engine
             extra["speculative"] = None
         opts = {k: p for k, p in params.items() if k not in _INTERNAL and k not in self.fixed}
         return opts | {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
@@ -58,18 +58,18 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("static", 1, "minillm.engines.r1_static", "StaticBatchEngine"),
     EngineSpec("dynamic", 2, "minillm.engines.r2_dynamic", "DynamicBatchEngine"),
     EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine"),
-    EngineSpec("paged+ngram", 5, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
+    EngineSpec("paged+ngram", 6, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
                {"speculative": "ngram"}),
-    EngineSpec("paged+draft", 5, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
+    EngineSpec("paged+draft", 6, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
                {"speculative": "draft"}),
-    EngineSpec("pipeline", 6, "minillm.engines.r7_pipeline.engine", "PipelineEngine"),
+    EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine"),
 )}
 ENGINES = tuple(REGISTRY)
 
 
 def create_engine(name: str, model, **options) -> Engine:
     """Build engine ``name`` for a loaded model; ``options`` go to its constructor.
-    ``paged`` with ``speculative`` ("ngram", "draft" or a ``SpeculativeConfig``) builds step 5's
+    ``paged`` with ``speculative`` ("ngram", "draft" or a ``SpeculativeConfig``) builds rung 6's
     ``paged+ngram`` / ``paged+draft``."""
     speculative = options.pop("speculative", None) if name == "paged" else None
     if speculative is not None:

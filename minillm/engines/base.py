@@ -249,7 +249,7 @@ class Engine:
 
 
 class ContiguousEngine(Engine):
-    """Steps 0-2 keep each request's KV in one contiguous row of a rectangle. Each says where its
+    """Rungs 0-2 keep each request's KV in one contiguous row of a rectangle. Each says where its
     rows are (``_rows``: ``(request_id, pad_left, num_tokens, num_reserved)`` or ``None`` for a
     hole, and the width); the counts and the picture follow from that one description."""
 

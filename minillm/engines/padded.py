@@ -1,4 +1,4 @@
-"""Shared by steps 1 and 2: batching sequences of different lengths into one padded rectangle.
+"""Shared by rungs 1 and 2: batching sequences of different lengths into one padded rectangle.
 
 A batch of prompts with different lengths is *left*-padded so that every row's newest token sits in
 the same (last) column; then one forward pass can append one new token to every row at once. The
@@ -66,7 +66,7 @@ class GrowableLayer(DynamicLayer):
 
 
 class PaddedKV:
-    """The padded KV rectangle of step 2: every layer's K and V are [rows, kv_heads, width, head_dim].
+    """The padded KV rectangle of rung 2: every layer's K and V are [rows, kv_heads, width, head_dim].
 
     ``mask[r, c]`` says whether column c of row r holds a real token. A row whose request has left is
     a *hole*: its memory stays allocated (all-False mask) until a newcomer takes it over or the

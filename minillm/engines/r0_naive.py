@@ -1,4 +1,4 @@
-"""Step 0 — the naive loop: one request at a time, one token per forward pass.
+"""Rung 0 — the naive loop: one request at a time, one token per forward pass.
 
 Two variants (notebook 00_naive_loop):
 

@@ -1,7 +1,7 @@
-"""Step 1 — static batching: take N requests, pad them into one batch, run it to the very end.
+"""Rung 1 — static batching: take N requests, pad them into one batch, run it to the very end.
 
 One forward now serves N sequences, so the weights are read once per N tokens instead of once per
-token: the big win over step 0. The cost (notebook 01_static_batching):
+token: the big win over rung 0. The cost (notebook 01_static_batching):
 
 * the batch lasts as long as its *longest* request; a request that finished after 2 tokens keeps
   its row, and the engine keeps computing garbage for it, until the last one is done;

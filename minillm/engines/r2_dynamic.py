@@ -1,4 +1,4 @@
-"""Step 2 — dynamic (continuous) batching on a padded KV rectangle.
+"""Rung 2 — dynamic (continuous) batching on a padded KV rectangle.
 
 Scheduling happens at every *iteration*, not every batch (Orca's idea): a request that finishes
 leaves at once, and waiting requests are prefilled and join the running batch at the next step.
@@ -14,7 +14,7 @@ piece. So:
   the rectangle is compacted, which means copying the whole cache;
 * columns are freed only when every row is padding there (when the longest request leaves).
 
-Those holes and that padding are the waste that step 3's paged KV cache removes.
+Those holes and that padding are the waste that rung 3's paged KV cache removes.
 """
 from __future__ import annotations
 

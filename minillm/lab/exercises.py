@@ -67,7 +67,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "04_triton_kernels", 30,
              "Token i of a sequence lives in block block_table[i // block_size] at offset "
              "i % block_size; decode attends to the first context_lens[b] tokens only."),
-    Exercise("05", "Speculative decoding: which guesses the target keeps",
+    Exercise("06", "Speculative decoding: which guesses the target keeps",
              "minillm.engines.r6_speculative.rejection", ("accept_greedy", "accept_sampled"),
              "06_speculative_decoding", 35,
              "Greedy: keep guesses while they equal the target's argmax, then add the target's "

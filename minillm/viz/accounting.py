@@ -5,7 +5,7 @@ counts (``minillm.memory.KVCounts``) sort the slots into the kinds of the vLLM p
 
 * ``token``: holds the K/V of a computed token;
 * ``internal``: allocated, but no token sits there and none is reserved for a known future token:
-  the unfilled tail of a sequence's last block (paged), or padding (the rectangles of steps 0-2).
+  the unfilled tail of a sequence's last block (paged), or padding (the rectangles of rungs 0-2).
   At most ``block_size - 1`` slots per sequence when paged;
 * ``reserved``: held for tokens a request may still produce (the contiguous allocators reserve a
   request's whole future up front; much of it is never written);

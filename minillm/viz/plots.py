@@ -2,7 +2,7 @@
 
 Pure matplotlib, no widgets: each function draws into an ``ax`` (or returns a ``Figure`` made by
 ``new_figure``). Every memory picture is drawn from a ``MemorySnapshot``, so the same function
-draws step 0's single row, step 2's padded rectangle, step 3's block pool and the fragmentation
+draws rung 0's single row, rung 2's padded rectangle, rung 3's block pool and the fragmentation
 visualizer's allocators. Used by every notebook (00-05) through ``live_view.py``,
 ``visualizer.py`` and ``notebook_figures.py``, and by ``minillm bench`` (``plot_bench``).
 
@@ -113,7 +113,7 @@ def memory_image(snap: MemorySnapshot) -> np.ndarray:
 
 
 def plot_memory(snap: MemorySnapshot, ax=None, title: str | None = None, max_rows: int = 128):
-    """The KV memory map: rows are batch rows (steps 0-2) or blocks (step 3)."""
+    """The KV memory map: rows are batch rows (rungs 0-2) or blocks (rung 3)."""
     ax = ax or plt.subplots(figsize=(8, 4))[1]
     rows = snap.kind.shape[0]
     if snap.layout == "blocks" and rows > max_rows:   # show the used part of a big pool

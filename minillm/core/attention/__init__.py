@@ -12,8 +12,8 @@ from __future__ import annotations
 
 
 def get_attention_backend(name: str | None, device):
-    """``torch`` (step 3's reference), ``cpp`` (step 3's decode as a C++ kernel for the CPU) or
-    ``triton`` (step 4). By default: triton on CUDA when it is installed (else torch); on the CPU
+    """``torch`` (rung 3's reference), ``cpp`` (rung 3's decode as a C++ kernel for the CPU) or
+    ``triton`` (rung 4). By default: triton on CUDA when it is installed (else torch); on the CPU
     cpp when it builds (a C++ compiler is there), else torch. Asking for triton where it cannot run
     raises ``TritonUnavailableError`` saying what to install."""
     if name is None:

@@ -3,7 +3,7 @@
 ``TorchAttention.decode`` gathers every sequence's K/V rows out of the block pools into one padded
 tensor, and SDPA then reads that copy: each context row is moved three times per layer and step.
 ``csrc/paged_decode.cpp`` follows the block table itself and reads each K/V row once, for all the
-query heads that share it -- on the CPU, what the Triton kernel of step 4 does on a GPU. Prefill
+query heads that share it -- on the CPU, what the Triton kernel of rung 4 does on a GPU. Prefill
 chunks (``extend``) keep the torch path: they are a small part of a serving step.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension`` (about a minute; cached in
@@ -81,7 +81,7 @@ def cpp_available() -> bool:
 
 
 class CppAttention(TorchAttention):
-    """Step 3's attention with the decode part in C++ (CPU, fp32/fp64); everything else, and any
+    """Rung 3's attention with the decode part in C++ (CPU, fp32/fp64); everything else, and any
     other device or dtype, is the torch reference."""
 
     name = "cpp"

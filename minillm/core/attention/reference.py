@@ -5,7 +5,7 @@ The KV cache of one layer is two pools, ``k_cache`` and ``v_cache``, each
 ``block_table`` lists, in order: token ``i`` is at block ``block_table[i // block_size]``, offset
 ``i % block_size``. Physically the blocks can be anywhere in the pool.
 
-Every backend implements three operations (step 4's Triton kernels implement the same three):
+Every backend implements three operations (rung 4's Triton kernels implement the same three):
 
 * ``write_kv``: scatter this step's new K/V rows into their slots (``slot_mapping[t]`` =
   ``block * block_size + offset`` for new token t);

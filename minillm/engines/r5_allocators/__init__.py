@@ -4,7 +4,7 @@ The core's scheduler drives any ``KVAllocator`` (``minillm/core/allocator.py``).
 two contiguous ones beside the core's ``BlockManager``, so one scheduler drives all three
 policies and the visualizer compares them on equal terms:
 
-* ``paged`` — ``BlockManager`` (step 3): fixed-size blocks taken one at a time, shared by
+* ``paged`` — ``BlockManager`` (rung 3): fixed-size blocks taken one at a time, shared by
   reference count, copied on write, cached by prefix;
 * ``max-length`` — ``ContiguousAllocator``: one contiguous region per sequence, as long as the
   longest request could ever be, reserved when the request is admitted;

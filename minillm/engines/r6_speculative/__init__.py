@@ -1,4 +1,4 @@
-"""Step 5 — speculative decoding on the paged engine (notebook 06_speculative_decoding).
+"""Rung 6 — speculative decoding on the paged engine (notebook 06_speculative_decoding).
 
 A cheap proposer guesses the next k tokens (``proposers.py``); the target model checks all k + 1
 positions in one forward, in the same batch as ordinary decodes and prefills; an acceptance rule

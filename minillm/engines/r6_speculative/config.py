@@ -1,4 +1,4 @@
-"""``SpeculativeConfig``: how step 5 speculates (vLLM's ``speculative_config``, reduced).
+"""``SpeculativeConfig``: how rung 6 speculates (vLLM's ``speculative_config``, reduced).
 
 Checked when made: a bad field raises a ``ValueError`` naming the field and the value.
 """

@@ -1,4 +1,4 @@
-"""Step 5 — ``SpeculativeEngine``: the paged engine, guessing ahead (notebook 06).
+"""Rung 6 — ``SpeculativeEngine``: the paged engine, guessing ahead (notebook 06).
 
 One step: the proposer guesses up to k tokens for each decoding sequence and they are appended to
 its tokens for the moment -> ``Scheduler.schedule`` plans the step as always, so a speculating

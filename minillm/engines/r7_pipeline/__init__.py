@@ -1,1 +1,1 @@
-"""Step 6: pipeline parallelism with dynamic batching, on torch.distributed (notebook 07)."""
+"""Rung 7: pipeline parallelism with dynamic batching, on torch.distributed (notebook 07)."""

@@ -1,4 +1,4 @@
-"""Step 6 — pipeline parallelism with dynamic batching, on torch.distributed (notebook 07).
+"""Rung 7 — pipeline parallelism with dynamic batching, on torch.distributed (notebook 07).
 
 The model's layers are cut into P contiguous slices, one per process (rank). Rank 0 embeds the
 tokens and runs the first slice, each next rank the next slice, and the last rank applies the
@@ -10,10 +10,10 @@ computes micro-batch 3, rank 0 already computes micro-batch 4. Continuous batchi
 them: each micro-batch is an ordinary scheduler step over the requests that are *not* in flight
 (a request's next token depends on its previous one, so it can be in one micro-batch at a time);
 a new request joins whichever micro-batch is formed next, a finished one leaves when its tokens
-come back. Rank 0 owns the one ``Scheduler`` and ``BlockManager`` (step 3's, unchanged); every
+come back. Rank 0 owns the one ``Scheduler`` and ``BlockManager`` (rung 3's, unchanged); every
 rank applies the block tables and slot mappings rank 0 sends it, so the KV pools stay in step.
 
-Exactness: the logits of the rows to sample come back to rank 0, which samples them with step 3's
+Exactness: the logits of the rows to sample come back to rank 0, which samples them with rung 3's
 ``Sampler`` and commits them with the scheduler's ``postprocess``: with one micro-batch in flight
 this engine makes exactly the single-process engine's steps, so its tokens are that engine's
 tokens (n > 1, beams, preemption and prefix caching included).
@@ -48,7 +48,7 @@ _NOT_YET = object()   # the runner is built once the workers are up (see __init_
 class MicroBatch:
     """A scheduled step on its way through the ranks. The ``StepOutput`` of the engine step that
     completes it reports its time through the whole pipeline (launch to logits back), split
-    between prefill and decode by token count as step 3 does (``PagedEngine._account``)."""
+    between prefill and decode by token count as rung 3 does (``PagedEngine._account``)."""
 
     index: int
     groups: set[int]              # id() of each SequenceGroup in it: not schedulable until back
@@ -140,7 +140,7 @@ class PipelineEngine(PagedEngine):
         ``max_num_seqs``. New requests are admitted up to an even share of the requests in the
         engine: otherwise the first micro-batch would take them all and leave the others empty
         (and the pipeline would run one micro-batch at a time). With one micro-batch the share
-        is everything: exactly step 3's schedule."""
+        is everything: exactly rung 3's schedule."""
         sched = self.scheduler
         hidden = [g for g in sched.running if id(g) in busy]
         sched.running = [g for g in sched.running if id(g) not in busy]
@@ -188,7 +188,7 @@ class PipelineEngine(PagedEngine):
                               self.comm.world_size - 1, microbatch=mb.index)
 
     def _complete(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
-        """The logits of ``mb`` came back: sample and commit them, exactly as step 3 does."""
+        """The logits of ``mb`` came back: sample and commit them, exactly as rung 3 does."""
         with self.comm.timeline.span("schedule", mb.index):
             # A request aborted while in flight is gone: its rows are dropped.
             keep = [i for i, s in enumerate(mb.reached) if self._alive(s)]
@@ -204,7 +204,7 @@ class PipelineEngine(PagedEngine):
         out.batch_size = mb.split.batch_size
 
     def record(self, *args, **kwargs):
-        """Step 3's per-step record (memory counts...): rank 0's host work, timed as such."""
+        """Rung 3's per-step record (memory counts...): rank 0's host work, timed as such."""
         with self.comm.timeline.span("schedule"):
             return super().record(*args, **kwargs)
 

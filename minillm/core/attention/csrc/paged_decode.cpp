@@ -3,7 +3,7 @@
 // The torch reference (attention.py) first copies every sequence's K/V rows out of the pools into
 // one padded tensor, then SDPA reads that copy again: per layer and step, each context token's
 // K/V is written once and read twice. This kernel follows the block table itself and reads each
-// row once -- the same idea as the Triton kernel of step 4 on a GPU (notebook 04).
+// row once -- the same idea as the Triton kernel of rung 4 on a GPU (notebook 04).
 //
 // One work item = one sequence; a token's K/V rows for all KV heads sit side by side in the pool
 // and each is read once for the query heads of its group (grouped-query attention). Two passes over the context: scores (q . k * scale) into a small

@@ -1,6 +1,6 @@
-"""Step 4: paged attention as Triton kernels (notebook ``notebooks/04_triton_kernels.ipynb``).
+"""Rung 4: paged attention as Triton kernels (notebook ``notebooks/04_triton_kernels.ipynb``).
 
-Step 3's ``TorchAttention`` reads the paged KV cache by *gathering* every sequence's blocks into a
+Rung 3's ``TorchAttention`` reads the paged KV cache by *gathering* every sequence's blocks into a
 fresh contiguous tensor, then calling ordinary SDPA. That copy costs as much memory traffic as the
 attention itself, and it is padded to the longest sequence of the batch. Here the kernels read the
 blocks *in place*, through the block table, one block at a time:
@@ -65,7 +65,7 @@ def _interpreter_problem() -> str | None:
 
 
 class TritonUnavailableError(ImportError):
-    """Step 4 was asked for where its kernels cannot run (no triton, or no way to run it)."""
+    """Rung 4 was asked for where its kernels cannot run (no triton, or no way to run it)."""
 
 
 # Triton publishes wheels for these only (no source distribution): see requirements.txt.
@@ -74,7 +74,7 @@ _TRITON_WHEELS = {("linux", "x86_64"), ("linux", "aarch64")}
 
 def require_triton() -> None:
     """Raise ``TritonUnavailableError``, saying what to do, unless ``triton_available()``."""
-    torch_backend = "use attention_backend='torch' (--attention torch); steps 0-3 need no triton"
+    torch_backend = "use attention_backend='torch' (--attention torch); rungs 0-3 need no triton"
     try:
         import triton  # noqa: F401
     except ImportError as e:
@@ -84,21 +84,21 @@ def require_triton() -> None:
                    f"kernels on CPU), or {torch_backend}")
         else:
             how = (f"Triton has no wheel for {where} (only for Linux x86-64 and aarch64): run "
-                   f"step 4 on Linux, or {torch_backend}")
+                   f"rung 4 on Linux, or {torch_backend}")
         raise TritonUnavailableError(
-            f"the 'triton' attention backend (step 4) needs the triton package, which cannot be "
+            f"the 'triton' attention backend (rung 4) needs the triton package, which cannot be "
             f"imported here ({e}). {how}.") from e
     if torch.cuda.is_available():
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise TritonUnavailableError(
-            "the 'triton' attention backend (step 4) needs CUDA or Triton's CPU interpreter, but "
+            "the 'triton' attention backend (rung 4) needs CUDA or Triton's CPU interpreter, but "
             f"there is no CUDA device and TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}: "
             f"unset TRITON_INTERPRET (or set it to 1) before starting Python, or {torch_backend}.")
     problem = _interpreter_problem()
     if problem:
         raise TritonUnavailableError(
-            f"the 'triton' attention backend (step 4) cannot run here: {problem}; "
+            f"the 'triton' attention backend (rung 4) cannot run here: {problem}; "
             f"or {torch_backend}.")
 
 

@@ -1,6 +1,6 @@
-"""Paged attention in Triton: the kernels of step 4, to be read top to bottom.
+"""Paged attention in Triton: the kernels of rung 4, to be read top to bottom.
 
-Layout (the same as step 3): each KV pool is ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+Layout (the same as rung 3): each KV pool is ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 and token ``i`` of a sequence lives in block ``block_table[i // block_size]`` at offset
 ``i % block_size``. Nothing here ever copies a sequence's K/V into a contiguous tensor: every kernel
 follows the block table and loads K/V straight from wherever the blocks sit in the pool.

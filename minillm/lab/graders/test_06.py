@@ -1,4 +1,4 @@
-"""Exercise 05 — speculative decoding's acceptance rule: ``accept_greedy`` and ``accept_sampled``
+"""Exercise 06 — speculative decoding's acceptance rule: ``accept_greedy`` and ``accept_sampled``
 in ``rejection.py``.
 
 Greedy: the kept tokens are the guesses up to the first wrong one, then the target's own token;
