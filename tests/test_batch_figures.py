@@ -115,7 +115,7 @@ def test_join_leave_events_follow_a_dynamic_run(tiny):
     result = llm.run(llm.make_requests(prompts, params), on_step=view)
     events = join_leave_events(view, result)
     ids = [o.request_id for o in result.outputs]
-    assert events[0] == f"rung 1: request {ids[0]}, {ids[1]} joined (2 running)"
+    assert events[0] == f"step 1: request {ids[0]}, {ids[1]} joined (2 running)"
 
     def who(event: str, verb: str) -> list[str]:
         found = re.search(rf"request ([\w, ]+) {verb}", event)
@@ -125,7 +125,7 @@ def test_join_leave_events_follow_a_dynamic_run(tiny):
         leaves = [i for i, e in enumerate(events) if rid in who(e, "left")]
         assert len(joins) == 1 and len(leaves) == 1 and joins[0] < leaves[0]
     # a newcomer is prefilled and decoded in one step: request 0's 3 tokens come at steps 1
-    # (two) and 2, it is gone after rung 2, and the queue's next request takes its row at rung 3
-    assert events[1] == f"rung 2: request {ids[0]} left (1 running)"
-    assert events[2] == f"rung 3: request {ids[2]} joined (2 running)"
+    # (two) and 2, it is gone after step 2, and the queue's next request takes its row at step 3
+    assert events[1] == f"step 2: request {ids[0]} left (1 running)"
+    assert events[2] == f"step 3: request {ids[2]} joined (2 running)"
     assert events[-1].startswith(f"request {ids[3]}: done in the step that prefilled it")

@@ -218,7 +218,7 @@ def test_the_engine_records_when_requests_arrive(tiny):
     llm = LLM(tiny, engine="paged")
     reqs = llm.make_requests(random_prompts(3, seed=5), SamplingParams(max_tokens=3))
     result = llm.run(reqs)
-    trace = trace_from_run(result, reqs, llm.engine)          # all at t=0: rung 0 for all
+    trace = trace_from_run(result, reqs, llm.engine)          # all at t=0: step 0 for all
     assert {r.arrival_step for r in trace.requests} == {0}
     late = llm.make_requests(random_prompts(2, seed=6), SamplingParams(max_tokens=30,
                                                                        ignore_eos=True))

@@ -63,7 +63,7 @@ def test_changes_during_a_render_cost_one_more_render_and_end_on_the_newest_step
     async def scenario():
         renders, _ = counts(viz)
         time_slider.value = 2
-        await asyncio.sleep(0)             # the draw starts: rung 2 renders in the worker thread
+        await asyncio.sleep(0)             # the draw starts: step 2 renders in the worker thread
         assert viz._busy, "no frame in flight"
         for v in range(3, 3 + 49):         # 49 more changes while it renders
             time_slider.value = 1 + v % time_slider.max
@@ -76,14 +76,14 @@ def test_changes_during_a_render_cost_one_more_render_and_end_on_the_newest_step
 
 def test_stop_leaves_no_backlog(viz):
     play, time_slider = viz._ui["play"], viz._ui["time"]
-    for step in (0, 1):                    # rung 0 was drawn (and kept) before; the picture at 1
+    for step in (0, 1):                    # step 0 was drawn (and kept) before; the picture at 1
         time_slider.value = step           # (no event loop: drawn at once)
     assert viz.drawn_t == 1
 
     async def scenario():
         play.playing = True
         time_slider.value = 5
-        await asyncio.sleep(0)             # rung 6 renders
+        await asyncio.sleep(0)             # step 5 renders
         for v in range(6, 12):             # ticks that come while it renders
             time_slider.value = v
         renders, shown = counts(viz)
