@@ -26,12 +26,20 @@ the vLLM paper (Kwon et al., 2023), which sorts wasted KV memory into three kind
 manager and the contiguous allocators report it, and ``MemorySnapshot.counts`` reads the same numbers
 off a picture. Waste = allocated slots that hold no token / allocated slots (``waste_fraction``,
 the one place that formula is written). Notebooks 02, 03 and 05 teach this.
+
+The pictures are drawn here, from the facts an engine or allocator reports
+(``rectangle_snapshot``, ``paged_snapshot``, ``contiguous_snapshot``): an allocator hands out
+memory and says who holds what; it draws nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:        # a type hint only: the core imports this module
+    from .core.sequence import Sequence
 
 FREE, TOKEN, PADDING, RESERVED, CACHED, TAIL = 0, 1, 2, 3, 4, 5
 INTERNAL = (PADDING, TAIL)                       # internal fragmentation
@@ -156,3 +164,62 @@ def rectangle_counts(rows: list[tuple[str, int, int, int]] | list[None], width: 
     area = (len(rows) if num_rows is None else num_rows) * width
     return KVCounts(token=tokens, internal=area - tokens - reserved, reserved=reserved,
                     bytes_per_slot=bytes_per_slot)
+
+
+def paged_snapshot(engine: str, step: int, bytes_per_slot: int, block_size: int,
+                   ref_counts: list[int], cached_blocks: list[int], seqs: list[Sequence],
+                   fill: dict[int, int]) -> MemorySnapshot:
+    """Snapshot of a paged KV pool (rung 3, ``BlockManager``): one row per physical block, one
+    column per slot.
+
+    ``ref_counts[b]``: the sequences holding block b; ``cached_blocks``: free blocks the prefix
+    cache keeps; ``seqs``: the live sequences in the scheduler's order (the first holder of a
+    shared block is drawn as its owner); ``fill[b]``: slots of held block b holding a computed
+    token (shared blocks counted once), the rest of a held block is its tail.
+    """
+    kind = np.full((len(ref_counts), block_size), FREE, dtype=np.int8)
+    owner = np.full((len(ref_counts), block_size), -1, dtype=np.int32)
+    owners: list[str] = []
+    for bid in cached_blocks:
+        kind[bid] = CACHED
+    for s in seqs:
+        rid = s.request.request_id
+        if rid not in owners:
+            owners.append(rid)
+        for bid in s.block_table:
+            if owner[bid, 0] == -1:    # first holder is drawn as the owner of a shared block
+                owner[bid] = owners.index(rid)
+                kind[bid] = TAIL          # internal fragmentation until filled
+                kind[bid, :fill.get(bid, 0)] = TOKEN
+    return MemorySnapshot(engine, step, kind, owner, owners, bytes_per_slot, "block",
+                          np.array(ref_counts),
+                          extra={"block_tables": {s.seq_id: list(s.block_table) for s in seqs},
+                                 "cached_blocks": int((kind[:, 0] == CACHED).sum())},
+                          layout="blocks")
+
+
+def contiguous_snapshot(engine: str, step: int, bytes_per_slot: int, num_slots: int, wrap: int,
+                        regions: list[tuple[str, int, int, int]],
+                        external_holes: list[tuple[int, int]]) -> MemorySnapshot:
+    """Snapshot of one contiguous address space of ``num_slots`` slots (rung 5,
+    ``ContiguousAllocator``), wrapped into rows of ``wrap`` slots.
+
+    ``regions``: every region held, in address order, as ``(request_id, start, size, num_tokens)``;
+    a region is reserved from its start, its ``num_tokens`` computed tokens first.
+    ``external_holes``: the free ``(start, length)`` holes too small for the request at the head
+    of the queue (external fragmentation).
+    """
+    rows = -(-num_slots // wrap)
+    kind = np.full(rows * wrap, FREE, dtype=np.int8)
+    owner = np.full(rows * wrap, -1, dtype=np.int32)
+    owners: list[str] = []
+    for rid, start, size, num_tokens in regions:
+        if rid not in owners:
+            owners.append(rid)
+        kind[start:start + size] = RESERVED
+        owner[start:start + size] = owners.index(rid)
+        kind[start:start + num_tokens] = TOKEN
+    return MemorySnapshot(engine, step, kind.reshape(rows, wrap), owner.reshape(rows, wrap),
+                          owners, bytes_per_slot, "address row", layout="address",
+                          extra={"external_slots": sum(n for _, n in external_holes),
+                                 "external_holes": external_holes, "budget_slots": num_slots})

@@ -6,7 +6,8 @@ and gives them back when the sequence finishes or is preempted (``free``); ``for
 ``share_prompt`` start a sequence from another one's tokens (n > 1 samples, beams). The core's
 ``BlockManager`` implements it; rung 5 (``minillm/engines/r5_allocators``) adds two contiguous
 allocators, so the same scheduler drives all three. ``counts`` and ``snapshot`` report the memory
-by kind (``minillm.memory``).
+by kind (``minillm.memory``): an allocator counts and says who holds what, and ``minillm.memory``
+draws the picture (``paged_snapshot``, ``contiguous_snapshot``).
 """
 from __future__ import annotations
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
-from ..memory import CACHED, FREE, TAIL, TOKEN, KVCounts, MemorySnapshot
+from ..memory import KVCounts, MemorySnapshot, paged_snapshot
 from ..request import Request
 from .sequence import Sequence
 
@@ -257,7 +255,7 @@ class BlockManager:
         fill = self._fill(seqs)
         bs = self.block_size
         used = sum(1 for b in self.blocks if b.ref_count > 0)
-        cached = sum(1 for b in self.blocks if b.ref_count == 0 and b.hash is not None)
+        cached = len(self.cached_blocks())
         tokens = int(sum(fill.values()))
         return KVCounts(token=tokens, internal=used * bs - tokens,
                         free=(self.num_free_blocks - cached) * bs, cached=cached * bs,
@@ -272,27 +270,16 @@ class BlockManager:
                 fill[bid] = max(fill.get(bid, 0), n)
         return fill
 
+    def ref_counts(self) -> list[int]:
+        """How many sequences hold each block, by block id."""
+        return [b.ref_count for b in self.blocks]
+
+    def cached_blocks(self) -> list[int]:
+        """Free blocks whose contents the prefix cache keeps (reusable until evicted)."""
+        return [b.block_id for b in self.blocks if b.ref_count == 0 and b.hash is not None]
+
     def snapshot(self, seqs: list[Sequence], engine: str, step: int, bytes_per_slot: int,
                  head: Request | None = None) -> MemorySnapshot:
-        """The pool as a grid: one row per physical block, one column per slot."""
-        kind = np.full((self.num_blocks, self.block_size), FREE, dtype=np.int8)
-        owner = np.full((self.num_blocks, self.block_size), -1, dtype=np.int32)
-        owners: list[str] = []
-        fill = self._fill(seqs)
-        for b in self.blocks:
-            if b.ref_count == 0 and b.hash is not None:
-                kind[b.block_id] = CACHED
-        for s in seqs:
-            rid = s.request.request_id
-            if rid not in owners:
-                owners.append(rid)
-            for bid in s.block_table:
-                if owner[bid, 0] == -1:    # first holder is drawn as the owner of a shared block
-                    owner[bid] = owners.index(rid)
-                    kind[bid] = TAIL          # internal fragmentation until filled
-                    kind[bid, :fill.get(bid, 0)] = TOKEN
-        ref = np.array([b.ref_count for b in self.blocks])
-        return MemorySnapshot(engine, step, kind, owner, owners, bytes_per_slot, "block", ref,
-                              extra={"block_tables": {s.seq_id: list(s.block_table) for s in seqs},
-                                     "cached_blocks": int((kind[:, 0] == CACHED).sum())},
-                              layout="blocks")
+        """The pool as a grid, one row per physical block (drawn by ``memory.paged_snapshot``)."""
+        return paged_snapshot(engine, step, bytes_per_slot, self.block_size, self.ref_counts(),
+                              self.cached_blocks(), seqs, self._fill(seqs))

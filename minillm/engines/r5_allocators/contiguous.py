@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ...core.block_manager import NoFreeBlocksError
 from ...core.sequence import Sequence
-from ...memory import FREE, RESERVED, TOKEN, KVCounts, MemorySnapshot
+from ...memory import KVCounts, MemorySnapshot, contiguous_snapshot
 from ...request import Request
 
 MODES = ("max-length", "exact")
@@ -186,29 +184,21 @@ class ContiguousAllocator:
     def counts(self, seqs: list[Sequence], bytes_per_slot: int = 1,
                head: Request | None = None) -> KVCounts:
         allocated = sum(r.size for r in self.regions.values())
-        tokens = sum(r.used_by.num_computed_tokens for r in self.regions.values() if r.used_by)
+        tokens = sum(n for *_, n in self.layout())
         return KVCounts(token=tokens, reserved=allocated - tokens, free=self.num_slots - allocated,
                         external=sum(n for _, n in self.external(head)),
                         bytes_per_slot=bytes_per_slot)
 
+    def layout(self) -> list[tuple[str, int, int, int]]:
+        """Every region held, in address order: (request id, start, size, tokens its sequence has
+        computed; 0 while it is reserved for a fork)."""
+        return [(r.request_id, r.start, r.size,
+                 0 if r.used_by is None else r.used_by.num_computed_tokens)
+                for r in sorted(self.regions.values(), key=lambda r: r.start)]
+
     def snapshot(self, seqs: list[Sequence], engine: str, step: int, bytes_per_slot: int,
                  head: Request | None = None) -> MemorySnapshot:
-        """The address space wrapped into rows of ``wrap`` slots: each region reserved from its
-        start, its computed tokens first."""
-        rows = -(-self.num_slots // self.wrap)
-        kind = np.full(rows * self.wrap, FREE, dtype=np.int8)
-        owner = np.full(rows * self.wrap, -1, dtype=np.int32)
-        owners: list[str] = []
-        for r in sorted(self.regions.values(), key=lambda r: r.start):
-            if r.request_id not in owners:
-                owners.append(r.request_id)
-            kind[r.start:r.start + r.size] = RESERVED
-            owner[r.start:r.start + r.size] = owners.index(r.request_id)
-            if r.used_by is not None:
-                kind[r.start:r.start + r.used_by.num_computed_tokens] = TOKEN
-        small = self.external(head)
-        return MemorySnapshot(engine, step, kind.reshape(rows, self.wrap),
-                              owner.reshape(rows, self.wrap), owners, bytes_per_slot,
-                              "address row", layout="address",
-                              extra={"external_slots": sum(n for _, n in small),
-                                     "external_holes": small, "budget_slots": self.num_slots})
+        """The address space wrapped into rows of ``wrap`` slots (drawn by
+        ``memory.contiguous_snapshot``)."""
+        return contiguous_snapshot(engine, step, bytes_per_slot, self.num_slots, self.wrap,
+                                   self.layout(), self.external(head))
