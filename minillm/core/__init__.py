@@ -4,7 +4,8 @@ Read it in the order a request travels through one engine step:
 
     request -> scheduler.py (token budget, admission, preemption)
             -> allocator.py / block_manager.py (KV slots in blocks: share, copy on write, cache)
-            -> runner.py + model.py + attention/ (one batched forward over the KV pool)
+            -> runner.py + model.py + attention/ (one batched forward over the KV pool,
+               kv_pool.py: the K/V tensors)
             -> sampler.py (+ beam.py) -> scheduler.postprocess (tokens committed, stops checked)
 
 ``engine.py`` is that step (``PagedEngine``); ``sequence.py`` holds a request's samples.

@@ -38,7 +38,8 @@ class PagedEngine(Engine):
         ``attention_backend="torch"|"cpp"|"triton"``; default: rung 3's torch reference).
         ``runner``/``sampler`` replace the model runner and the sampler, ``block_manager`` the
         KV allocator (the visualizer replays workloads with a runner that computes nothing, under
-        each allocator of ``minillm.engines.r5_allocators``); by default the real ones are built."""
+        each allocator of ``minillm.engines.r5_allocators``); by default the real ones are built
+        (the runner by ``make_runner``)."""
         super().__init__(model)
         block_size = check_int("block_size", block_size, 1)
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -57,10 +58,15 @@ class PagedEngine(Engine):
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy,
                                    self.eos_ids, self.max_model_len)
         self.backend = backend or TorchAttention()
-        if runner is None:
-            runner = ModelRunner(model, num_blocks, block_size, self.backend)
+        if runner is None:   # every option is checked by now: the KV pool is allocated last
+            runner = self.make_runner(num_blocks, block_size, self.backend)
         self.runner, self.sampler = runner, sampler or Sampler()
         self.aborted: list[Request] = []
+
+    def make_runner(self, num_blocks: int, block_size: int, backend) -> ModelRunner:
+        """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
+        extension point later rungs override (rung 6 verifies, rung 7 runs a stage)."""
+        return ModelRunner(self.model, num_blocks, block_size, backend)
 
     def pool_size(self, block_size: int, num_blocks: int | None, kv_cache_bytes: int | None,
                   max_num_seqs: int) -> int:

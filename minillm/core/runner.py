@@ -1,4 +1,4 @@
-"""``ModelRunner``: owns the KV pools and turns a scheduled step into one forward pass.
+"""``ModelRunner``: owns a ``KVPool`` (kv_pool.py) and turns a scheduled step into one forward pass.
 
 For each scheduled ``(sequence, num_new_tokens)`` it lays out the step's tokens flat (decodes
 first, then prefill chunks) and builds what attention needs: ``positions``, the ``slot_mapping``
@@ -11,6 +11,7 @@ from torch.profiler import record_function
 
 from ..models import LoadedModel
 from .attention.reference import AttentionMetadata
+from .kv_pool import KVPool
 from .model import PagedLlama
 from .sequence import Sequence
 
@@ -33,25 +34,40 @@ def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, num_blocks: int, block_size: int, backend):
-        self.device = model.device
-        self.net = PagedLlama(model.hf_model)
+    """Runs layers ``layers`` of ``net`` over its own ``KVPool`` (those layers' K/V only).
+
+    Every runner is built here: rung 3's (the whole model, from ``model``), rung 6's draft (the
+    target's ``net`` and its first k layers) and rung 7's stages (a slice) differ only in the
+    arguments, never in how the pool is allocated."""
+
+    def __init__(self, model: LoadedModel | None, num_blocks: int, block_size: int, backend, *,
+                 net: PagedLlama | None = None, layers: range | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        """``net`` defaults to ``PagedLlama(model.hf_model)`` (its weights, read once),
+        ``layers`` to all of them, ``device`` and ``dtype`` to the model's; without ``model``,
+        give all three."""
+        if model is None and (net is None or device is None or dtype is None):
+            raise ValueError("ModelRunner needs a model, or net=, device= and dtype=")
+        self.net = net if net is not None else PagedLlama(model.hf_model)
+        self.layers = layers if layers is not None else range(len(self.net.layers))
+        n = len(self.net.layers)
+        if self.layers.step != 1 or not 0 <= self.layers.start <= self.layers.stop <= n:
+            raise ValueError(f"layers must be a contiguous slice of the model's {n} layers, "
+                             f"got {self.layers!r}")
+        self.device = torch.device(device) if device is not None else model.device
         self.block_size = block_size
         self.backend = backend
-        shape = (num_blocks, block_size, self.net.num_kv_heads, self.net.head_dim)
-        # One K pool and one V pool per layer; a block id means the same rows in all of them.
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=self.device),
-                           torch.zeros(shape, dtype=model.dtype, device=self.device))
-                          for _ in range(model.config.num_hidden_layers)]
+        self.pool = KVPool(len(self.layers), num_blocks, block_size, self.net.num_kv_heads,
+                           self.net.head_dim, dtype or model.dtype, self.device)
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pool's (k, v) per layer of ``layers``, as ``PagedLlama.forward`` takes them."""
+        return self.pool.caches
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a block it shared before writing."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.kv_caches:
-            k[dst], v[dst] = k[src], v[src]
+        self.pool.copy_blocks(copies)
 
     def slot_mapping(self, seq: Sequence, start: int, n: int) -> list[int]:
         bs, table = self.block_size, seq.block_table
@@ -96,6 +112,14 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta, order, last)
 
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after ``layers`` (no final norm): ``x`` is token ids when they start at
+        layer 0 (embedded first), the previous layers' hidden states otherwise (rung 7)."""
+        h = self.net.embed_tokens(x) if self.layers.start == 0 else x
+        return self.net.forward_layers(h, positions, meta, self.pool.caches, self.backend,
+                                       self.layers.start, self.layers.stop)
+
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]],
             num_rows: dict[int, int] | None = None) -> tuple[list[Sequence], torch.Tensor]:
@@ -105,7 +129,7 @@ class ModelRunner:
         sequence's last r positions, in order, instead of its last one: r consecutive rows."""
         ids, pos, meta, order, last = self.prepare(scheduled)
         with record_function("minillm::forward"):     # scopes for `make profile` (profile_step.py)
-            hidden = self.net.forward(ids, pos, meta, self.kv_caches, self.backend)
+            hidden = self.net.final_hidden(self.forward(ids, pos, meta))
         want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
             return [], hidden.new_empty((0, self.net.lm_head.shape[0]))

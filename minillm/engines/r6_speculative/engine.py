@@ -44,7 +44,6 @@ class SpeculativeEngine(PagedEngine):
             speculative, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min,
             draft_layers)
         self.config = cfg
-        self.runner = VerifyRunner.wrap(self.runner)    # verification as batched decode rows
         self.name = f"paged+{cfg.method}"
         if proposer is None and cfg.method == "ngram":
             proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -57,6 +56,10 @@ class SpeculativeEngine(PagedEngine):
         # in ``verify_snapshots``, the pool at each step's fullest (before the rollback).
         self.trace: list[dict] | None = None
         self.verify_snapshots: list = []
+
+    def make_runner(self, num_blocks: int, block_size: int, backend) -> VerifyRunner:
+        """The paged runner, laying verifications out as batched decode rows."""
+        return VerifyRunner(self.model, num_blocks, block_size, backend)
 
     # --- proposing --------------------------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:

@@ -7,13 +7,13 @@ Both sit behind one small interface, ``Proposer``:
   copies its input (editing, quoting, summarizing with the source's words, code).
 * ``DraftModelProposer``: the target's first few layers plus its final norm and LM head — a
   smaller model with the same tokenizer, sharing the target's weight tensors (nothing copied,
-  nothing downloaded). It keeps its own paged KV: its own pools and its own ``BlockManager``,
+  nothing downloaded): a ``ModelRunner`` over ``layers=range(k)`` of the target's net. It keeps
+  its own paged KV: its own ``KVPool`` (those k layers) and its own ``BlockManager``,
   with a sequence per target sequence that catches up on tokens it has not seen and is
   truncated, like the target's, when guesses are rejected.
 """
 from __future__ import annotations
 
-import copy
 from typing import Protocol
 
 import torch
@@ -63,26 +63,15 @@ class NgramProposer:
         pass
 
 
-class DraftRunner(ModelRunner):
-    """A ``ModelRunner`` for the target's first ``num_layers`` layers: the net is a shallow copy
-    of the target's (the same weight tensors) and the pools hold only those layers."""
-
-    def __init__(self, target: ModelRunner, num_layers: int, num_blocks: int):
-        self.device, self.block_size, self.backend = target.device, target.block_size, target.backend
-        self.net = copy.copy(target.net)
-        self.net.layers = target.net.layers[:num_layers]
-        k0 = target.kv_caches[0][0]
-        shape = (num_blocks,) + tuple(k0.shape[1:])
-        self.kv_caches = [(torch.zeros(shape, dtype=k0.dtype, device=k0.device),
-                           torch.zeros(shape, dtype=k0.dtype, device=k0.device))
-                          for _ in range(num_layers)]
-
-
 class DraftModelProposer:
     """k guesses from a truncated copy of the target, k small forwards per step for the batch."""
 
     def __init__(self, target: ModelRunner, num_layers: int, num_blocks: int):
-        self.runner = DraftRunner(target, num_layers, num_blocks)
+        # The target's own net (the same weight tensors), run for its first ``num_layers``
+        # layers only, then its final norm and head; the pool holds those layers' K/V.
+        self.runner = ModelRunner(None, num_blocks, target.block_size, target.backend,
+                                  net=target.net, layers=range(num_layers), device=target.device,
+                                  dtype=target.pool.dtype)
         self.block_manager = BlockManager(num_blocks, target.block_size)
         self.seqs: dict[int, Sequence] = {}            # target seq_id -> the draft's own copy
         self.probs: dict[int, torch.Tensor] = {}       # target seq_id -> q of its last guesses

@@ -16,15 +16,12 @@ from ...core.sequence import Sequence
 
 
 class VerifyRunner(ModelRunner):
-    """Same weights, pools and backend as the runner it wraps; ``verify_ids`` (seq ids) names the
-    sequences whose tokens this step are a verification."""
+    """The paged ``ModelRunner``, built through its ``__init__`` by ``SpeculativeEngine``;
+    ``verify_ids`` (seq ids) names the sequences whose tokens this step are a verification."""
 
-    @classmethod
-    def wrap(cls, runner: ModelRunner) -> "VerifyRunner":
-        obj = cls.__new__(cls)
-        obj.__dict__.update(runner.__dict__)       # shares the tensors: nothing is copied
-        obj.verify_ids = set()
-        return obj
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.verify_ids: set[int] = set()
 
     def split(self, scheduled: list[tuple[Sequence, int]]):
         """Verifications join the decodes: their 1 + k tokens become 1 + k decode rows."""

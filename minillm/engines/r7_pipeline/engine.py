@@ -41,8 +41,6 @@ from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
 from .stage import StageConfig, StageRunner
 from .timeline import Event, format_summary
 
-_NOT_YET = object()   # the runner is built once the workers are up (see __init__)
-
 
 @dataclass
 class MicroBatch:
@@ -83,15 +81,14 @@ class PipelineEngine(PagedEngine):
                              "one process per GPU with torchrun (see the README)")
         from .. import get_attention_backend
         backend = get_attention_backend(attention_backend, model.device)
-        # Every option is checked (by PagedEngine) before any process is started.
+        self.pipeline_parallel_size, self.attention_backend = world, attention_backend
+        # PagedEngine checks every option, then builds rank 0's stage (``make_runner``, which
+        # reads the two fields above), all before any process is started.
         super().__init__(model, block_size, num_blocks, kv_cache_bytes, max_num_batched_tokens,
-                         max_num_seqs, enable_prefix_caching, policy, backend=backend,
-                         runner=_NOT_YET)
-        net = PagedLlama(model.hf_model)
-        config = StageConfig(world, self.block_manager.num_blocks, block_size, attention_backend)
+                         max_num_seqs, enable_prefix_caching, policy, backend=backend)
         if torchrun:
             group = torchrun_group(timeout, model.device)
-        self.group = group or launch(net, world, timeout, threads)
+        self.group = group or launch(self.runner.net, world, timeout, threads)
         self.comm = self.group.comm
         self._finalizer = weakref.finalize(self, self.group.close)   # workers never outlive us
         if self.comm.world_size != world:
@@ -100,14 +97,21 @@ class PipelineEngine(PagedEngine):
                              f"{self.comm.world_size} ranks")
         try:
             for rank in range(1, world):
-                self.comm.send_object(config, rank)
+                self.comm.send_object(self.stage_config, rank)
         except PipelineError as e:
             raise self.group.failure(e) from None
-        self.runner = StageRunner(net, 0, config, backend, model.device, model.dtype)
         self.num_microbatches = num_mb
         self.in_flight: deque[MicroBatch] = deque()
         self.num_launched = 0
         self.broken: PipelineError | None = None
+
+    def make_runner(self, num_blocks: int, block_size: int, backend) -> StageRunner:
+        """Rank 0's stage (the first slice of the layers and their KV pool). The workers build
+        theirs from the same ``stage_config``, which ``__init__`` sends them once they are up."""
+        self.stage_config = StageConfig(self.pipeline_parallel_size, num_blocks, block_size,
+                                        self.attention_backend)
+        return StageRunner(PagedLlama(self.model.hf_model), 0, self.stage_config, backend,
+                           self.model.device, self.model.dtype)
 
     # --- one step: fill the pipeline, then finish its oldest micro-batch ---------------------------
     def has_unfinished(self) -> bool:

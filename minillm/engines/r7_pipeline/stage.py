@@ -90,20 +90,29 @@ def _torch(x):
 
 
 class StageRunner(ModelRunner):
-    """A ``ModelRunner`` for layers [start, end): its ``prepare``, ``slot_mapping`` and
-    ``copy_blocks`` are the single-process ones; only the pools and the forward are sliced."""
+    """A ``ModelRunner`` for this rank's layers [start, end): built through the same
+    ``ModelRunner.__init__`` (its ``KVPool`` holds those layers only), with the single-process
+    ``prepare``, ``slot_mapping``, ``copy_blocks`` and ``forward``; only the head is the last
+    rank's."""
 
     def __init__(self, net: PagedLlama, rank: int, config: StageConfig, backend, device, dtype):
-        # ModelRunner.__init__ is not called: it would allocate every layer's pools.
-        self.net, self.device, self.backend = net, torch.device(device), backend
-        self.block_size, self.rank, self.world_size = config.block_size, rank, config.world_size
-        self.start, self.end = split_layers(len(net.layers), config.world_size)[rank]
-        shape = (config.num_blocks, config.block_size, net.num_kv_heads, net.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
-                          for _ in range(self.start, self.end)]
+        start, end = split_layers(len(net.layers), config.world_size)[rank]
+        super().__init__(None, config.num_blocks, config.block_size, backend, net=net,
+                         layers=range(start, end), device=device, dtype=dtype)
+        self.rank, self.world_size = rank, config.world_size
         self.hidden_size = net.embed.shape[1]
-        self.dtype = dtype
+
+    @property
+    def start(self) -> int:
+        return self.layers.start
+
+    @property
+    def end(self) -> int:
+        return self.layers.stop
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
 
     @property
     def is_last(self) -> bool:
@@ -122,9 +131,7 @@ class StageRunner(ModelRunner):
         """Token ids (rank 0) or hidden states in -> hidden states out, or, on the last rank,
         the logits of ``inputs.logit_rows``."""
         self.copy_blocks(inputs.copies)
-        h = self.net.embed_tokens(x) if self.rank == 0 else x
-        h = self.net.forward_layers(h, inputs.positions, inputs.meta, self.kv_caches,
-                                    self.backend, self.start, self.end)
+        h = self.forward(x, inputs.positions, inputs.meta)   # rank 0 (layers from 0) embeds
         if not self.is_last:
             return h
         if not inputs.logit_rows:

@@ -1,0 +1,72 @@
+"""One KV pool, allocated in one place (``minillm.core.kv_pool.KVPool``), and one
+``ModelRunner.__init__`` every runner goes through: rung 3's, rung 6's verifier and draft, rung 7's
+stages differ only in their layers, never in how their K/V memory is laid out."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import LLM
+from minillm.core.attention.reference import TorchAttention
+from minillm.core.kv_pool import KVPool
+from minillm.core.model import PagedLlama
+from minillm.core.runner import ModelRunner
+from minillm.engines.r6_speculative.runner import VerifyRunner
+from minillm.engines.r7_pipeline.stage import StageConfig, StageRunner, split_layers
+
+
+def test_pool_holds_what_the_engine_accounts_for(tiny):
+    """The bytes the pool's tensors really take = slots x the model's kv_bytes_per_token, the
+    unit every memory count of the engine is in."""
+    engine = LLM(tiny, engine="paged", num_blocks=24, block_size=4).engine
+    pool = engine.runner.pool
+    assert (pool.num_blocks, pool.block_size) == (engine.block_manager.num_blocks, 4)
+    assert pool.num_layers == tiny.config.num_hidden_layers
+    assert pool.num_bytes == 24 * 4 * tiny.kv_bytes_per_token
+    assert engine.runner.kv_caches is pool.caches
+
+
+def test_copy_blocks_copies_every_layer_k_and_v():
+    pool = KVPool(3, num_blocks=6, block_size=2, num_kv_heads=1, head_dim=4,
+                  dtype=torch.float32, device=torch.device("cpu"))
+    for i, (k, v) in enumerate(pool.caches):
+        k[1].fill_(10 + i)
+        v[1].fill_(20 + i)
+        k[4].fill_(30 + i)
+    pool.copy_blocks([(1, 3), (4, 5)])
+    pool.copy_blocks([])                     # nothing to copy: a no-op
+    for i, (k, v) in enumerate(pool.caches):
+        assert torch.equal(k[3], k[1]) and torch.equal(v[3], v[1])
+        assert (k[3] == 10 + i).all() and (v[3] == 20 + i).all()
+        assert (k[5] == 30 + i).all()
+        assert (k[0] == 0).all() and (v[2] == 0).all()   # blocks not named are untouched
+
+
+def test_speculative_runners_share_the_target_weights(tiny):
+    engine = LLM(tiny, engine="paged+draft", draft_layers=1, num_blocks=20).engine
+    target, draft = engine.runner, engine.proposer.runner
+    assert isinstance(target, VerifyRunner) and target.verify_ids == set()
+    assert draft.net is target.net              # the same weight tensors: nothing copied
+    assert draft.layers == range(1) and draft.pool.num_layers == 1
+    assert target.pool.num_layers == tiny.config.num_hidden_layers
+    assert draft.pool.num_blocks == 20 and draft.pool.dtype == target.pool.dtype
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_runners_hold_their_slice_only(tiny, world):
+    net = PagedLlama(tiny.hf_model)
+    config = StageConfig(world, num_blocks=8, block_size=4, attention_backend=None)
+    slices = split_layers(len(net.layers), world)
+    for rank in range(world):
+        stage = StageRunner(net, rank, config, TorchAttention(), "cpu", torch.float32)
+        assert (stage.start, stage.end) == slices[rank]
+        assert stage.pool.num_layers == stage.end - stage.start
+        assert stage.pool.num_blocks == 8 and stage.dtype == torch.float32
+
+
+def test_runner_arguments_are_checked(tiny):
+    net = PagedLlama(tiny.hf_model)
+    with pytest.raises(ValueError, match="needs a model, or net=, device= and dtype="):
+        ModelRunner(None, 4, 4, TorchAttention(), net=net)
+    with pytest.raises(ValueError, match="contiguous slice of the model's 2 layers"):
+        ModelRunner(tiny, 4, 4, TorchAttention(), layers=range(1, 3))
