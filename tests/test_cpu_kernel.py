@@ -9,7 +9,7 @@ import torch
 from kvtools import SCALE, PagedKV, decode_lens, dense_attention, rel_err
 from minillm import LLM
 from minillm.engines import get_attention_backend
-from minillm.core import cpu_attention
+from minillm.core.attention import cpp as cpu_attention
 from minillm.core.attention.reference import TorchAttention
 from minillm.core.attention.cpp import CppAttention, cpp_available
 
