@@ -48,3 +48,15 @@ def test_no_module_is_too_long_to_read_in_one_sitting():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "minillm").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_architecture_doc_names_real_files():
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`((?:core|engines)/[\w/.]+)`", text))
+    assert named, "docs/ARCHITECTURE.md names no module"
+    missing = sorted(p for p in named if not (ROOT / "minillm" / p).exists())
+    assert not missing, f"docs/ARCHITECTURE.md names files that do not exist: {missing}"
+    core = ROOT / "minillm" / "core"
+    for f in core.glob("*.py"):
+        if f.name != "__init__.py":
+            assert f"`{f.name}`" in text, f"docs/ARCHITECTURE.md does not say what core/{f.name} owns"
