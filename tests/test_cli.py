@@ -385,8 +385,8 @@ def test_generate_pipeline_worker_killed_mid_run(tmp_path):
     assert [same_tokens(row) for row in done] == [same_tokens(healthy[r["id"]]) for r in done]
     for row in out:
         if "error" in row:
-            assert re.fullmatch(rf"line {row['id'] + 1}: not finished: the run stopped \({cause}.*\)",
-                                row["error"]), row["error"]
+            assert re.fullmatch(rf"line {row['id'] + 1}: not finished: the run stopped "
+                                rf"\({cause}.*\)", row["error"]), row["error"]
     left = children | descendants(proc.pid)
     for _ in range(100):   # (multiprocessing's resource tracker exits once it sees ours did)
         if all(gone(p) for p in left):
