@@ -17,9 +17,11 @@ Generate for every non-blank line of a UTF-8 JSONL file (a leading BOM is ignore
 one of "prompt", "messages", "prompt_token_ids", and optionally "id", "max_tokens", "temperature",
 "top_p", "top_k", "seed", "n", "beam_width", "priority", "ignore_eos". --out gets one line per
 input line, in order: a result, or {"id", "error"}; it is replaced atomically, never left
-half-written. Exit status: 0 all ok, 1 some lines failed, 2 a problem found before generating
-(unreadable --prompts, unwritable --out, bad model or engine options), 130 interrupted (Ctrl-C):
-the lines that finished are kept, the others get an "interrupted" error."""
+half-written. Exit status: 0 all ok, 1 some lines failed (also when the engine itself fails
+mid-run, e.g. a pipeline worker dies: the lines that finished are kept, the others get an error
+naming the cause), 2 a problem found before generating (unreadable --prompts, unwritable --out,
+bad model or engine options), 130 interrupted (Ctrl-C): the lines that finished are kept, the
+others get an "interrupted" error."""
 
 # JSONL fields a generate line may carry, and their types
 LINE_FIELDS = {"id": (str, int), "messages": list, "prompt": str, "prompt_token_ids": list,
@@ -155,11 +157,13 @@ def make_requests(llm, lines: list[Line]) -> list:
     return requests
 
 
-def output_row(line: Line, out) -> dict:
+def output_row(line: Line, out, unfinished: str = "interrupted before it finished") -> dict:
+    """``line``'s output row: its result, or its error; ``out`` is None for a line whose request
+    never finished, which gets the error ``unfinished`` (why the run stopped)."""
     if line.error:
         return {"id": line.id, "error": line.error}
     if out is None:
-        return {"id": line.id, "error": f"line {line.lineno}: interrupted before it finished"}
+        return {"id": line.id, "error": f"line {line.lineno}: {unfinished}"}
     if out.error:   # engine errors start with the request id, "line-N: "
         return {"id": line.id, "error": f"line {line.lineno}: "
                                         f"{out.error.removeprefix(line.request_id + ': ')}"}
@@ -230,24 +234,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm = LLM(args.model, engine=args.engine, **options_from(args))
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
-    requests, outputs, metrics = make_requests(llm, lines), {}, None
-    try:   # on Ctrl-C the engine aborts what is in flight; keep the outputs that finished
+    requests, outputs, metrics, failure = make_requests(llm, lines), {}, None, None
+    # If the run stops early -- Ctrl-C, or the engine fails (a pipeline worker dies, a bug) --
+    # the engine has aborted what was in flight: keep the outputs that finished, and give every
+    # other line an error saying why, instead of a traceback and no --out at all.
+    try:
         metrics = llm.run(requests, progress=not args.quiet,
                           on_output=lambda out: outputs.__setitem__(out.request_id, out)).metrics
     except KeyboardInterrupt:
         pass
-    rows = [output_row(line, outputs.get(line.request_id)) for line in lines]
+    except Exception as e:
+        failure = " ".join(f"{type(e).__name__}: {e}".split())   # one line, whatever e says
+    finally:
+        close_engine(llm)
+    unfinished = f"not finished: the run stopped ({failure})" if failure else \
+        "interrupted before it finished"
+    rows = [output_row(line, outputs.get(line.request_id), unfinished) for line in lines]
     try:
         write_rows(args.out, rows)
     except OSError as e:
         return fail(f"cannot write --out {args.out}: {e.strerror or e}")
+    return report(args.out, rows, len(requests) - len(outputs), metrics, failure)
+
+
+def close_engine(llm) -> None:
+    """Stop what the engine started (the pipeline's worker processes) now, not at exit."""
+    close = getattr(llm.engine, "close", None)
+    if close is not None:
+        close()
+
+
+def report(out: str, rows: list[dict], unfinished: int, metrics, failure: str | None) -> int:
+    """The one stderr line of a generate run, and its exit status."""
     ok = sum("error" not in row for row in rows)
+    if failure is not None:
+        print(f"error: {failure}: {ok}/{len(rows)} ok, {unfinished} unfinished -> {out}",
+              file=sys.stderr)
+        return 1
     if metrics is None:
-        print(f"interrupted: {ok}/{len(rows)} ok, {len(requests) - len(outputs)} unfinished "
-              f"-> {args.out}", file=sys.stderr)
+        print(f"interrupted: {ok}/{len(rows)} ok, {unfinished} unfinished -> {out}",
+              file=sys.stderr)
         return 130
     print(f"{ok}/{len(rows)} ok, {metrics.output_tokens} tokens in {metrics.duration_s:.1f}s "
-          f"({metrics.output_tok_s:.1f} tok/s) -> {args.out}", file=sys.stderr)
+          f"({metrics.output_tok_s:.1f} tok/s) -> {out}", file=sys.stderr)
     return 1 if ok < len(rows) else 0
 
 

@@ -177,7 +177,7 @@ def test_out_is_never_half_written(tmp_path, monkeypatch):
         write_rows(str(dst), rows())
     assert dst.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
 
-    run = LLM.run   # a bug after the model loaded: a traceback, and --out untouched
+    run = LLM.run   # a bug inside the run: the finished line is kept, the other names the bug
 
     def failing_run(self, requests, on_output=None, **kw):
         def on_out(out):
@@ -185,9 +185,12 @@ def test_out_is_never_half_written(tmp_path, monkeypatch):
             raise RuntimeError("bug in a callback")
         return run(self, requests, on_output=on_out, **kw)
     monkeypatch.setattr(LLM, "run", failing_run)
-    with pytest.raises(RuntimeError, match="bug in a callback"):
-        generate(tmp_path, b'{"prompt": "hi"}\n{"prompt": "ho"}\n', out=dst)
-    assert dst.read_text() == "old\n"
+    code, _ = generate(tmp_path, b'{"prompt": "hi"}\n{"prompt": "ho"}\n', "--max-num-seqs", "1",
+                       out=dst)
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert code == 1 and "text" in out[0]
+    assert out[1] == {"id": 2, "error": "line 2: not finished: the run stopped (RuntimeError: "
+                                        "bug in a callback)"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 
     monkeypatch.setattr(LLM, "run", run)   # and when all goes well: a normal file, replaced
@@ -265,3 +268,128 @@ def test_generate_ctrl_c_for_real(tmp_path):
     assert all(o["error"] == f"line {o['id'] + 1}: interrupted before it finished"
                for o in out if "error" in o)
     assert len(done) < n   # 15,000 decode steps, one request at a time, take a while
+
+
+# --- generate when the engine fails mid-run: finished lines kept, the others name the cause -----
+def step_lines(n: int) -> list[str]:
+    """``n`` lines of different lengths: the short ones finish first, the long ones are still
+    running when something breaks."""
+    return [json.dumps({"id": i, "prompt_token_ids": [5 + i, 6, 7], "ignore_eos": True,
+                        "max_tokens": 2 if i % 3 == 0 else 40}) for i in range(n)]
+
+
+def same_tokens(row: dict) -> tuple:
+    return row["id"], row["token_ids"], row["text"], row["finish_reason"]
+
+
+def test_generate_engine_failure_keeps_finished_lines(tmp_path, capsys, monkeypatch):
+    """Any exception escaping the run (here the engine's step after 6 steps): every line is
+    answered in order, the finished ones as a healthy run answers them, exit 1, one stderr line."""
+    from minillm.core.engine import PagedEngine
+
+    data = ("\n".join(step_lines(9)) + "\n{bad\n").encode()
+    torch_attention = ("--attention", "torch")   # (the C++ kernel is not what this is about)
+    code, healthy = generate(tmp_path, data, *torch_attention, out=tmp_path / "healthy.jsonl")
+    healthy = [json.loads(line) for line in healthy.read_text().splitlines()]
+    assert code == 1 and sum("error" in row for row in healthy) == 1   # the bad line only
+    capsys.readouterr()
+    step, calls = PagedEngine.step, []
+
+    def failing_step(self):
+        calls.append(1)
+        if len(calls) > 6:
+            raise RuntimeError("injected fault")
+        return step(self)
+    monkeypatch.setattr(PagedEngine, "step", failing_step)
+    code, dst = generate(tmp_path, data, *torch_attention)
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert code == 1
+    assert [row["id"] for row in out] == [*range(9), 10]
+    done = [row for row in out if "error" not in row]
+    assert [row["id"] for row in done] == [0, 3, 6]   # max_tokens 2: finished before the fault
+    assert [same_tokens(row) for row in done] == [same_tokens(healthy[i]) for i in (0, 3, 6)]
+    for row in out[:9]:
+        if "error" in row:
+            assert row["error"] == (f"line {row['id'] + 1}: not finished: the run stopped "
+                                    "(RuntimeError: injected fault)")
+    assert "invalid JSON" in out[9]["error"]
+    err = capsys.readouterr().err
+    assert err == f"error: RuntimeError: injected fault: 3/10 ok, 6 unfinished -> {dst}\n"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (Linux: /proc/<pid>/task/*/children)."""
+    found, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += kids - found
+            found |= kids
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker in /proc")
+def test_generate_pipeline_worker_killed_mid_run(tmp_path):
+    """`generate --pipeline-parallel 2`, its rank-1 worker SIGKILLed once lines have finished:
+    exit 1, no traceback, one line per input in order -- the finished ones as a healthy run
+    writes them, the others an error naming the dead worker -- and no process left behind."""
+    n = 48
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(step_lines(n)) + "\n")
+    common = ["--model", "tiny-llama", "--prompts", str(src), "--max-num-seqs", "4",
+              "--attention", "torch"]
+    from minillm.__main__ import main
+    assert main(["generate", *common, "--out", str(tmp_path / "healthy.jsonl"), "--quiet"]) == 0
+    healthy = [json.loads(line) for line in (tmp_path / "healthy.jsonl").read_text().splitlines()]
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", *common, "--out",
+                             str(dst), "--pipeline-parallel", "2"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")),
+                              daemon=True)
+    reader.start()
+    try:   # once the progress bar shows a finished line, SIGKILL the worker (rank 1)
+        deadline, workers, children = time.monotonic() + 240, [], set()
+        while time.monotonic() < deadline and proc.poll() is None and not workers:
+            if re.search(rf"\b[1-9]\d*/{n}\b", "".join(err)):
+                children = descendants(proc.pid)
+                workers = [p for p in children if "spawn_main" in
+                           Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+            time.sleep(0.05)
+        assert len(workers) == 1, "".join(err)[-2000:]
+        os.kill(workers[0], signal.SIGKILL)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    err = "".join(err)
+    cause = (rf"PipelineError: pipeline worker rank 1 \(pid {workers[0]}\) exited with code -9 "
+             r"\(killed by SIGKILL\)")
+    assert code == 1, err[-2000:]
+    assert "Traceback" not in err
+    assert re.search(rf"(^|[\r\n])error: {cause}.*: \d+/{n} ok, \d+ unfinished -> ", err), err
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [row["id"] for row in out] == list(range(n))
+    done = [row for row in out if "error" not in row]
+    assert 0 < len(done) < n
+    assert [same_tokens(row) for row in done] == [same_tokens(healthy[r["id"]]) for r in done]
+    for row in out:
+        if "error" in row:
+            assert re.fullmatch(rf"line {row['id'] + 1}: not finished: the run stopped "
+                                rf"\({cause}.*\)", row["error"]), row["error"]
+    left = children | descendants(proc.pid)
+    for _ in range(100):   # (multiprocessing's resource tracker exits once it sees ours did)
+        if all(gone(p) for p in left):
+            break
+        time.sleep(0.1)
+    assert all(gone(p) for p in left), "a child process was left behind"

@@ -6,10 +6,15 @@ tensor, and SDPA then reads that copy: each context row is moved three times per
 query heads that share it -- on the CPU, what the Triton kernel of rung 4 does on a GPU. Prefill
 chunks (``extend``) keep the torch path: they are a small part of a serving step.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension`` (about a minute; cached in
-``~/.cache/torch_extensions``) and needs a C++ compiler and ``ninja``. Where it cannot be built
-(no compiler, Windows without MSVC, ``MINILLM_CPP=0``) the engine says why once and falls back to
-the torch reference: the tokens are the same either way.
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` (about 45 s, one line on
+stderr says so) and needs a C++ compiler and ``ninja``. ``cpp_build.py`` caches it under torch's
+extensions root (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``) in a directory
+named after everything in the build (torch version and path, Python, compiler, flags, source,
+CPU), so checkouts and venvs sharing a home directory neither rebuild it for each other nor wait
+on a killed build's lock; a build that cannot finish within ``MINILLM_CPP_BUILD_TIMEOUT_S``
+(default 300 s) is stopped. Where it cannot be built (no compiler, a failed or overrunning build,
+``MINILLM_CPP=0``) the engine says why once and falls back to the torch reference: the tokens are
+the same either way.
 """
 from __future__ import annotations
 
@@ -18,11 +23,11 @@ import platform
 import sys
 import threading
 import warnings
-import zlib
 from pathlib import Path
 
 import torch
 
+from . import cpp_build
 from .reference import TorchAttention
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
@@ -40,18 +45,6 @@ def _flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
-def _build_name() -> str:
-    """``-march=native`` code must never run on another CPU (a shared home directory in a
-    classroom): the build is named after this CPU's feature flags."""
-    flags = ""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.processor()
-    return f"minillm_paged_decode_{zlib.crc32((platform.machine() + flags).encode()):08x}"
-
-
 def load_kernel():
     """The compiled extension, or ``None`` (with the reason in ``kernel_error()``)."""
     with _lock:
@@ -60,16 +53,22 @@ def load_kernel():
         if os.environ.get("MINILLM_CPP", "1") == "0":
             _state["error"] = "MINILLM_CPP=0"
             return None
+        cpp_build.build_timeout_s()   # a bad MINILLM_CPP_BUILD_TIMEOUT_S: an error, no fallback
         try:
-            from torch.utils.cpp_extension import load
-            cflags, ldflags = _flags()
-            _state["module"] = load(_build_name(), [str(_SOURCE)], extra_cflags=cflags,
-                                    extra_ldflags=ldflags, verbose=False)
-        except Exception as e:     # no compiler, no ninja, a failed build: fall back, say why
-            _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            _state["module"] = cpp_build.load_cached(_SOURCE, *_flags())
+        except Exception as e:     # no compiler, no ninja, a failed or overrunning build: say why
+            _state["error"] = error_line(e)
             warnings.warn(f"the C++ paged-attention kernel could not be built ({_state['error']}); "
                           f"using the torch reference (same tokens, slower decode)", stacklevel=3)
         return _state.get("module")
+
+
+def error_line(e: Exception) -> str:
+    """One line for the warning: a compiler's error output can run to pages."""
+    if isinstance(e, cpp_build.BuildError):
+        return str(e)
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1][:300] if text else ''}"
 
 
 def kernel_error() -> str | None:

@@ -44,7 +44,8 @@ class WorkerGroup:
     def dead_worker(self) -> str | None:
         for rank, p in self.processes.items():
             if p.exitcode is not None and not (p.exitcode == 0 and self.closed):
-                return f"pipeline worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                return f"pipeline worker rank {rank} (pid {p.pid}) exited with code " \
+                       f"{p.exitcode}{signal_name(p.exitcode)}"
         return None
 
     def failure(self, error: Exception, grace_s: float = 5.0) -> PipelineError:
@@ -84,6 +85,14 @@ class WorkerGroup:
         for p in self.processes.values():
             p.join(5)
         self.terminate()
+
+
+def signal_name(exitcode: int) -> str:
+    """The suffix ' (killed by SIGKILL)' for a process a signal ended (exit code -9 here)."""
+    try:
+        return f" (killed by {signal.Signals(-exitcode).name})" if exitcode < 0 else ""
+    except ValueError:
+        return ""
 
 
 def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: int) -> WorkerGroup:

@@ -1,6 +1,6 @@
 """``TritonAttention``: rung 4's kernels behind the attention-backend interface of rung 3.
 
-A drop-in replacement for ``TorchAttention`` (``s3_paged/attention.py``): same three methods,
+A drop-in replacement for ``TorchAttention`` (``core/attention/reference.py``): same three methods,
 same arguments, so ``paged_attention(backend, ...)`` and the paged engine need no change.
 """
 from __future__ import annotations
