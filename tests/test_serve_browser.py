@@ -4,7 +4,8 @@
 pool filling; and, once the clients hang up, everything back to empty.
 
 The load is under the test's control (long requests that the clients close when the test is done
-looking), so nothing here depends on how fast the machine is. Screenshots land in
+looking), so nothing here depends on how fast the machine is. With ``--api-key`` the page, opened
+as ``/dashboard?key=KEY``, must forward the key to its event stream and go live. Screenshots land in
 ``$MINILLM_BROWSER_SHOTS`` (default: the test's tmp folder).
 """
 from __future__ import annotations
@@ -34,10 +35,12 @@ return {status: document.getElementById('status').textContent, step: n('step'),
 """
 
 
-def stream_until(url: str, prompt: str, stop: threading.Event, seen: list) -> None:
+def stream_until(url: str, prompt: str, stop: threading.Event, seen: list,
+                 headers: dict | None = None) -> None:
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4000, "temperature": 0,
             "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
+                      timeout=60) as r:
         for line in r.iter_lines():
             seen.append(line)
             if stop.is_set():
@@ -80,3 +83,25 @@ def test_dashboard_updates_live(tiny, browser, tmp_path):  # noqa: F811
         bm = app.state.loop.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
         assert seen, "the clients received tokens"
+
+
+def test_dashboard_with_api_key_passes_it_to_its_events(tiny, browser):  # noqa: F811
+    """With --api-key the page is opened as /dashboard?key=KEY and its EventSource (which cannot
+    send headers) forwards the key: the page goes live and shows a request's row."""
+    llm = LLM(tiny, engine="paged", num_blocks=300, max_num_seqs=2)
+    with running_server(llm, api_key="k3y") as (url, app):
+        browser.get(f"{url}/dashboard")
+        assert "invalid_api_key" in browser.page_source        # no key: the 401 body
+        browser.get(f"{url}/dashboard?key=k3y")
+        state = lambda: browser.execute_script(DOM_STATE)  # noqa: E731
+        wait_until(lambda: state()["status"] == "live", 30, "the page to connect with the key")
+        stop, seen = threading.Event(), []
+        client = threading.Thread(target=stream_until, args=(url, "keyed", stop, seen,
+                                                             {"Authorization": "Bearer k3y"}))
+        client.start()
+        try:
+            wait_until(lambda: len(state()["rows"]) == 1, 30, "the request's row")
+        finally:
+            stop.set()
+            client.join(60)
+        wait_until(lambda: not state()["rows"], 30, "the batch empty after the client hung up")

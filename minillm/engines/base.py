@@ -99,6 +99,11 @@ class Engine:
         (a bad callback, Ctrl-C) never leaves stale requests behind for the next one."""
         raise NotImplementedError
 
+    def health_error(self) -> str | None:
+        """None while the engine can serve; else why it never will again (a server answers
+        /health with 503 and this reason). Safe to call from any thread."""
+        return None
+
     # --- shared ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         """Reject what can never be served, with a message that says why (RequestError)."""
@@ -110,6 +115,11 @@ class Engine:
                                f"got {type(ids).__name__}")
         if not ids:
             raise RequestError(f"{req.request_id}: empty prompt")
+        # The length first: it costs nothing, while the checks below look at every token (a
+        # 50 MB prompt would take seconds to be told it is too long)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"{req.request_id}: prompt of {len(ids)} tokens is longer than the "
+                               f"model's context ({self.max_model_len} tokens, including output)")
         wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
         if wrong:
             raise RequestError(f"{req.request_id}: prompt token ids must be integers, got "
@@ -120,9 +130,6 @@ class Engine:
         if bad:
             raise RequestError(f"{req.request_id}: prompt token id {bad[0]!r} outside the "
                                f"vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"{req.request_id}: prompt of {len(ids)} tokens is longer than the "
-                               f"model's context ({self.max_model_len} tokens, including output)")
         if (req.params.n > 1 or req.params.beam_width > 1) and not self.supports_parallel:
             raise RequestError(f"{req.request_id}: n > 1 and beam search need the 'paged' "
                                f"engine (this is {self.name!r})")

@@ -8,23 +8,29 @@ A handler turns the body into a ``Request`` with the same code the offline ``LLM
 (``LLM.make_requests``: chat template, validation), submits it to the ``EngineLoop`` and turns the
 token ids that come back into text (``IncrementalDetokenizer``). If the client goes away before the
 end, the handler aborts its request, so its KV blocks go back to the pool at the next step.
+
+Nothing slow runs on the asyncio event loop, which every client shares: a body bigger than any
+prompt is refused before it is read (``guard.BodyLimit``), and tokenizing, the chat template and
+validation run on one worker thread (``prepare``), so a big prompt delays only its own answer.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..llm import LLM
 from ..request import FinishReason, Request, RequestError
 from .detok import IncrementalDetokenizer
-from .loop import EngineLoop, Event, QueueFull, ShuttingDown
+from .errors import add_error_handlers
+from .guard import BodyLimit, RequireKey, default_max_body_bytes
+from .loop import EngineFailed, EngineLoop, Event, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                        new_id, usage)
@@ -37,11 +43,17 @@ class ClientGone(Exception):
 
 
 def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
-               dashboard: bool = True) -> FastAPI:
+               dashboard: bool = True, api_key: str | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The server for ``llm`` (its engine must support abort: 'paged' or 'dynamic'). The engine
-    loop starts and stops with the app (its lifespan); ``app.state.loop`` is the ``EngineLoop``."""
+    loop starts and stops with the app (its lifespan); ``app.state.loop`` is the ``EngineLoop``.
+    ``api_key``: every route but /health needs it; ``max_body_bytes``: bigger bodies get a 413
+    (default: ``guard.default_max_body_bytes`` of the model's context)."""
     name = model_name or llm.model.name
     loop = EngineLoop(llm.engine, ServerMetrics(name), max_waiting)
+    # One thread for tokenizing: Hugging Face's fast tokenizers must not be called from several
+    # threads at once (vLLM serializes them the same way), and one is plenty for small prompts.
+    prep = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -50,9 +62,15 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
             yield
         finally:
             loop.shutdown()
+            prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.loop, app.state.llm, app.state.model_name = loop, llm, name
+    app.state.prep = prep
+    app.state.max_body_bytes = max_body_bytes or default_max_body_bytes(llm.model.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=app.state.max_body_bytes)
+    if api_key:   # added last: the outermost, so no key means no byte of the body is read
+        app.add_middleware(RequireKey, key=api_key)
     add_error_handlers(app)
     if dashboard:
         from .dashboard import add_dashboard
@@ -62,6 +80,9 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
     async def health():
         if not loop._thread.is_alive():
             raise APIError("the engine loop is not running", 503)
+        if (why := loop.engine.health_error()) is not None:
+            raise APIError(engine_failed_message(why), 503, code="engine_failed",
+                           type="server_error")
         return PlainTextResponse("ok")
 
     @app.get("/v1/models")
@@ -109,34 +130,9 @@ class StoppingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_, e: APIError):
-        headers = {"Retry-After": "1"} if e.status == 429 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_, e: RequestValidationError):
-        err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return await api_error(None, APIError(f"the request body is not valid JSON: "
-                                            f"{err.get('ctx', {}).get('error', err['msg'])}"))
-        # the field's path, without pydantic's union-member tags ("prompt.str" -> "prompt")
-        param = ".".join([*loc[:1], *(p for p in loc[1:] if p.isdigit() or p in SUBFIELDS)]) or None
-        if err.get("type") in UNION_TYPE_ERRORS and param in UNION_HELP:
-            return await api_error(None, APIError(f"{param}: {UNION_HELP[param]}", param=param))
-        if param is None:   # the body itself: not JSON, or not an object
-            return await api_error(None, APIError("the request body must be a JSON object "
-                                                  "(send Content-Type: application/json)"))
-        got = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
-        return await api_error(None, APIError(f"{param or 'body'}: {err['msg']}{got}", param=param))
-
-
-SUBFIELDS = {"role", "content", "text", "type", "include_usage"}
-UNION_TYPE_ERRORS = {"string_type", "list_type", "int_type"}
-UNION_HELP = {"prompt": "must be a string, or a list of token ids (integers)",
-              "stop": "must be a string or a list of strings"}
+def engine_failed_message(why: str) -> str:
+    return (f"the engine failed and cannot serve any more requests: restart the server "
+            f"(cause: {why})")
 
 
 async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
@@ -145,22 +141,21 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     if body.model != app.state.model_name:
         raise APIError(f"model {body.model!r} does not exist: this server serves "
                        f"{app.state.model_name!r}", param="model", code="model_not_found")
-    body.check_unsupported()
+    body.check_fields()
     stops = body.stop_strings()
-    params = body.sampling_params(default_max_tokens=256 if chat else 16)
-    req = llm.make_requests([body.prompt_input()], params)[0]
+    params = body.sampling_params(default_max_tokens=256 if chat else 16,
+                                  vocab_size=llm.model.config.vocab_size)
     field = "messages" if chat else "prompt"
-    if req.error:
-        raise APIError(req.error, param=field)
+    req = await asyncio.get_running_loop().run_in_executor(
+        app.state.prep, prepare, llm, loop, body.prompt_input(), params, field)
     req.request_id = new_id("chatcmpl" if chat else "cmpl")
     try:
-        events = loop.submit(req)
-    except RequestError as e:
-        msg = str(e).removeprefix(f"{req.request_id}: ")
-        param = "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n") else field
-        raise APIError(msg, param=param) from None
+        events = loop.submit(req, validated=True)
     except ShuttingDown as e:
         raise APIError(str(e), 503, code="shutting_down") from None
+    except EngineFailed as e:
+        raise APIError(engine_failed_message(str(e)), 503, code="engine_failed",
+                       type="server_error") from None
     except QueueFull as e:
         raise APIError(str(e), 429, code="queue_full", type="rate_limit_error") from None
     answer = Answer(llm, req, stops, chat, app.state.model_name)
@@ -183,6 +178,21 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     if answer.error:
         raise APIError(answer.error, 500)
     return answer.body(final=True)
+
+
+def prepare(llm: LLM, loop: EngineLoop, prompt, params, field: str) -> Request:
+    """Text -> token ids (the chat template too) and the engine's checks: the per-token work,
+    run on the tokenizer thread. A request that can never run is a 400 naming ``field``."""
+    req = llm.make_requests([prompt], params)[0]
+    if req.error:
+        raise APIError(req.error, param=field)
+    try:
+        loop.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
+    except RequestError as e:
+        msg = str(e).removeprefix(f"{req.request_id}: ")
+        param = "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n") else field
+        raise APIError(msg, param=param) from None
+    return req
 
 
 class DisconnectWatch:

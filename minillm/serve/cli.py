@@ -1,7 +1,14 @@
-"""``python -m minillm serve``: load a model, build the engine, serve it over HTTP (uvicorn)."""
+"""``python -m minillm serve``: load a model, build the engine, serve it over HTTP (uvicorn).
+
+Every flag is checked, and the listening socket bound, before the model loads: a bad port, a
+host this machine does not have or a port already taken is one ``error:`` line and exit status 2
+at once, not a traceback after the load.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 
 SERVE_HELP = """\
@@ -10,41 +17,94 @@ An OpenAI-compatible server: POST /v1/completions and /v1/chat/completions (stre
 /dashboard (the running batch and the KV blocks, live). Try it with
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
-or the openai client (base_url="http://127.0.0.1:8000/v1", any api_key)."""
+or the openai client (base_url="http://127.0.0.1:8000/v1", api_key: --api-key's, or any).
+With --api-key (or MINILLM_API_KEY) every route but /health needs "Authorization: Bearer KEY";
+open the dashboard as /dashboard?key=KEY."""
+KEY_ENV = "MINILLM_API_KEY"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="paged", choices=("paged", "dynamic"),
                    help="an engine that can abort requests (default: paged)")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0..65535 (0: any free port)")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests allowed to wait for the engine; beyond that: HTTP 429")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="bigger request bodies get HTTP 413 (default: 128 bytes per token of the "
+                        "model's context, at least 1 MiB)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                        f"(default: ${KEY_ENV} if set, else no key)")
     p.add_argument("--no-dashboard", action="store_true", help="do not serve /dashboard")
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the serve flags (the message of an ``error:`` line), or None."""
+    if args.max_waiting < 1:
+        return f"--max-waiting must be >= 1, got {args.max_waiting}"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in 0..65535 (0: any free port), got {args.port}"
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        return f"--max-body-bytes must be >= 1, got {args.max_body_bytes}"
+    if args.api_key is not None and not args.api_key.strip():
+        return "--api-key must not be empty"
+    return None
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (OSError says why not); uvicorn listens on it later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET   # as uvicorn decides
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def main(args: argparse.Namespace, engine_options: dict) -> int:
+    if (problem := check_args(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        sock = listen_socket(args.host, args.port)
+    except (OSError, OverflowError, UnicodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"error: cannot listen on --host {args.host} --port {args.port}: {why}",
+              file=sys.stderr)
+        return 2
+    with sock:
+        return run(args, engine_options, sock)
+
+
+def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> int:
     import torch
     import uvicorn
 
     from ..llm import LLM
     from .app import StoppingServer, create_app
 
-    if args.max_waiting < 1:
-        print(f"error: --max-waiting must be >= 1, got {args.max_waiting}", file=sys.stderr)
-        return 2
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 8)))
     try:
         llm = LLM(args.model, engine=args.engine, **engine_options)
-    except (ValueError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard)
-    print(f"[minillm] serving {llm.model.name} ({args.engine} engine) on "
-          f"http://{args.host}:{args.port} — dashboard: http://{args.host}:{args.port}/dashboard",
-          file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+    key = args.api_key or os.environ.get(KEY_ENV) or None
+    app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard,
+                     api_key=key, max_body_bytes=args.max_body_bytes)
+    port = sock.getsockname()[1]
+    base = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{port}"
+    board = f" — dashboard: {base}/dashboard" + ("?key=..." if key else "")
+    print(f"[minillm] serving {llm.model.name} ({llm.engine.name} engine) on {base}"
+          f"{board if not args.no_dashboard else ''}"
+          f"{' (API key required)' if key else ''}", file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="info",
                             timeout_graceful_shutdown=3)
-    StoppingServer(config).run()
+    StoppingServer(config).run(sockets=[sock])
     return 0

@@ -9,6 +9,10 @@ into JSON: nothing here recomputes what the engine already reports.
 Frames are built on the engine loop thread right after a step (the only moment the engine's state
 is consistent), at most ``FRAME_INTERVAL_S`` apart and only while someone watches; the SSE
 handlers just send the newest frame.
+
+A frame holds the newest tokens of every request as text: with ``serve --api-key`` only key
+holders get the page and its events (``guard.RequireKey``); without a key, anyone who can reach
+the server sees everyone's outputs (the default host, 127.0.0.1, is this machine only).
 """
 from __future__ import annotations
 

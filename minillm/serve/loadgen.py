@@ -6,13 +6,15 @@ sent at Poisson arrival times (``--rate`` per second; ``inf``: all at once), at 
 gaps between tokens (ITL), the time per output token after the first (TPOT). The report uses the
 names and layout of ``vllm bench serve``, so its numbers can sit next to vLLM's, and it speaks
 plain OpenAI HTTP: point it at any OpenAI-compatible server. It loads no model (prompts come
-from ``minillm/data/prompts.jsonl``; token counts from the server's ``usage``).
+from ``minillm/data/prompts.jsonl``; token counts from the server's ``usage``). A server started
+with ``--api-key`` gets the key from ``$MINILLM_API_KEY``.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -94,7 +96,9 @@ async def run(base_url: str, bodies: list[dict], rate: float, concurrency: int |
     offsets = arrival_offsets(len(bodies), random.Random(seed), None if math.isinf(rate) else rate)
     gate = asyncio.Semaphore(concurrency or len(bodies))
     limits = httpx.Limits(max_connections=concurrency or len(bodies))
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    key = os.environ.get("MINILLM_API_KEY")   # a server started with --api-key wants it
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
         t0 = time.perf_counter()
 
         async def one(body: dict, at: float) -> RequestResult:

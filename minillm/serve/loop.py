@@ -39,6 +39,10 @@ class ShuttingDown(QueueFull):
     """The loop is stopping: no new requests (HTTP 503)."""
 
 
+class EngineFailed(Exception):
+    """The engine can never serve again (``Engine.health_error``): HTTP 503 until a restart."""
+
+
 @dataclass
 class Event:
     kind: str                                    # "tokens" | "done" | "error"
@@ -94,10 +98,15 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def submit(self, req: Request) -> asyncio.Queue:
-        """Accept ``req`` (RequestError if it can never run, QueueFull if the queue is full) and
-        return the queue its events will arrive on. Call from the event loop."""
-        self.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
+    def submit(self, req: Request, validated: bool = False) -> asyncio.Queue:
+        """Accept ``req`` (RequestError if it can never run, QueueFull if the queue is full,
+        EngineFailed if the engine is gone) and return the queue its events will arrive on. Call
+        from the event loop; ``validated``: the caller already ran ``engine.validate`` (off the
+        event loop: it looks at every token)."""
+        if not validated:
+            self.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
+        if (why := self.engine.health_error()) is not None:
+            raise EngineFailed(why)
         handle = Handle(req, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:   # the loop's last drain takes this lock too: no request is left behind
             if self._stop.is_set():

@@ -1,15 +1,23 @@
 """What goes over the wire: OpenAI's request and response shapes, and its error body.
 
-Only the fields minillm can honour are accepted with a meaning; a field that would change the
-answer but that we cannot serve (``logprobs``, ``echo``, ``best_of``, penalties) is refused with a
-400 naming it, rather than silently ignored. Fields that only carry metadata (``user``) are
-ignored, as the OpenAI API itself does for most clients' extras.
+Each endpoint has one explicit list of the fields it accepts, and every other field is a 400 that
+names it: a client that asks for something minillm does not do (``logit_bias``, ``tools``,
+``response_format``...) learns it at once instead of getting an answer that silently ignored
+its request. The lists:
+
+* honoured: the fields declared on the request models below (OpenAI's, plus vLLM's extras
+  ``top_k``, ``ignore_eos``, ``return_token_ids``, ``stop_token_ids``);
+* ``IGNORED``: fields that only carry metadata and never change the answer (``user``...);
+* ``REFUSED``: fields that would change the answer, accepted only with the value that changes
+  nothing (``"logprobs": false``, ``"presence_penalty": 0``, ``"tools": []``...), which some
+  clients send on every request;
+* anything else (a typo, another server's extra): refused.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -28,6 +36,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+MAX_STOP_TOKEN_IDS = 256
 
 
 # Strict types where JSON's lax coercions would hide a client bug: "3" is not a max_tokens, true is
@@ -53,9 +64,12 @@ class ChatMessage(BaseModel):
 
 class _Common(BaseModel):
     """Fields shared by both endpoints. OpenAI's defaults: 16 tokens (completions), temperature
-    1. ``top_k``, ``ignore_eos``, ``return_token_ids`` are vLLM's extras."""
+    1. ``top_k``, ``ignore_eos``, ``return_token_ids``, ``stop_token_ids`` are vLLM's extras.
+    Undeclared fields are kept (``extra="allow"``) so that ``check_fields`` can judge each one."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+    IGNORED: ClassVar[frozenset[str]] = frozenset()      # set per endpoint below
+    REFUSED: ClassVar[dict[str, tuple]] = {}
 
     model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -66,23 +80,26 @@ class _Common(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=16)
     seed: StrictInt | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: list[StrictInt] | None = None      # vLLM's extra: these ids end a choice
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False                # benchmarks fix output lengths with it
     return_token_ids: StrictBool = False                # vLLM's extra: each choice's token ids too
-    # fields that would change the answer, refused when set (see ``check_unsupported``)
-    logprobs: Union[bool, int, None] = None
-    echo: bool = False
-    best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
-    def check_unsupported(self) -> None:
-        for name, default in (("logprobs", None), ("echo", False), ("best_of", None),
-                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            value = getattr(self, name)
-            if value not in (default, False) and not (name == "best_of" and value == self.n):
-                raise APIError(f"'{name}' is not supported by minillm (got {value!r})", param=name)
+    def check_fields(self) -> None:
+        """A 400 naming the first field that is neither honoured, nor metadata, nor neutral."""
+        for name, value in (self.model_extra or {}).items():
+            if name in self.IGNORED:
+                continue
+            if name in self.REFUSED:
+                if any(same_json(value, v) for v in self.REFUSED[name]) or (
+                        name == "best_of" and same_json(value, self.n)):
+                    continue
+                raise APIError(f"'{name}' is not supported by minillm (got {value!r:.60})",
+                               param=name, code="unsupported_field")
+            raise APIError(f"'{name}' is not supported by minillm: it is not a field of this "
+                           "endpoint that minillm knows (see the README, 'Serve it')",
+                           param=name, code="unsupported_field")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -92,13 +109,21 @@ class _Common(BaseModel):
             raise APIError("stop sequences must be non-empty strings", param="stop")
         return stops
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """The engine's ``SamplingParams``; a value it refuses becomes a 400 naming the field."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        stop_ids = self.stop_token_ids or []
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:   # each is checked against every new token
+            raise APIError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                           f"{len(stop_ids)}", param="stop_token_ids")
+        bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                           f"[0, {vocab_size})", param="stop_token_ids")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                                   top_p=self.top_p, top_k=self.top_k, seed=self.seed, n=self.n,
-                                  ignore_eos=self.ignore_eos)
+                                  ignore_eos=self.ignore_eos, stop_token_ids=stop_ids)
         except ValueError as e:   # SamplingParams' messages start with the field's name
             raise APIError(str(e), param=str(e).split(" ")[0]) from None
 
@@ -107,7 +132,24 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# Fields that would change the answer -> the values that change nothing (null is OpenAI's "not
+# set"). min_tokens, logit_bias and the penalties need the sampler (minillm/sampling.py), which
+# the engine shares with speculative decoding: they are refused rather than half-done here.
+REFUSED_COMMON: dict[str, tuple] = {
+    "logprobs": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    # vLLM's extras
+    "min_tokens": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),    # minillm always skips them in the text
+}
+
+
 class CompletionRequest(_Common):
+    IGNORED = frozenset({"user"})
+    REFUSED = {**REFUSED_COMMON, "echo": (None, False), "suffix": (None, ""),
+               "best_of": (None, 1)}       # best_of == n is also neutral (check_fields)
+
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
 
     def prompt_input(self):
@@ -124,10 +166,29 @@ class CompletionRequest(_Common):
 
 
 class ChatCompletionRequest(_Common):
+    # parallel_tool_calls only matters with tools, which are refused unless empty
+    IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                         "prompt_cache_key", "safety_identifier"})
+    REFUSED = {**REFUSED_COMMON, "top_logprobs": (None, 0),
+               "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "tool_choice": (None, "none", "auto"), "functions": (None, []),
+               "function_call": (None, "none", "auto"), "modalities": (None, ["text"]),
+               "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+               "web_search_options": (None,)}
+
     messages: list[ChatMessage] = Field(min_length=1)
 
     def prompt_input(self):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: 0 == 0.0, but true is not 1 and false is not 0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -216,6 +216,13 @@ class PipelineEngine(PagedEngine):
         group = self.groups.get(seq.request.request_id)
         return group is not None and seq in group.seqs
 
+    def health_error(self) -> str | None:
+        """The error that broke the pipeline, or a worker seen dead while idle (the next step
+        would fail on it): either way this engine never serves again."""
+        if self.broken is not None:
+            return str(self.broken)
+        return self.group.dead_worker()
+
     # --- clean-up, timeline ---------------------------------------------------------------------
     def reset(self):
         """Drop every request; micro-batches in flight are received first (their results
