@@ -230,6 +230,11 @@ def test_stop_token_ids_end_the_output_at_that_token(server, offline):
                 model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
                 stream=True, extra_body={"stop_token_ids": [stop]}) if ch.choices)
             assert text == want.text
+    # the stop token as the very last token max_tokens allows: the reason is still "stop"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": len(cut),
+            "temperature": 0, "stop_token_ids": [stop], "return_token_ids": True}
+    choice = post(url, json=body).json()["choices"][0]
+    assert choice["token_ids"] == cut and choice["finish_reason"] == "stop"
     for bad in ([-1], ["a"], [10 ** 6], [1] * 300):
         err = error_of(post(url, json={"model": MODEL, "prompt": "hi", "stop_token_ids": bad}),
                        400)

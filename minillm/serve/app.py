@@ -223,6 +223,8 @@ class Answer:
         self.req, self.chat, self.model = req, chat, model
         self.return_token_ids = False
         self.max_model_len = llm.model.max_model_len
+        p = req.params
+        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else llm.model.eos_token_ids)
         self.detoks = [IncrementalDetokenizer(llm.tokenizer, stops) for _ in range(req.params.n)]
         self.finish: list[str | None] = [None] * req.params.n
         self.done, self.error = False, None
@@ -250,6 +252,8 @@ class Answer:
 
     def _reason(self, d: IncrementalDetokenizer) -> str:
         n = len(d.token_ids)
+        if n and d.token_ids[-1] in self.stop_ids:   # a stop token as the last allowed one: stop
+            return "stop"
         if n >= self.req.params.max_tokens or self.req.prompt_len + n >= self.max_model_len:
             return "length"
         return "abort" if self.req.finish_reason == FinishReason.ABORT else "stop"
