@@ -29,6 +29,10 @@ WRONG = {
 }
 # Exercise 06's sampled mistake: after a rejection, draw from p again instead of max(0, p - q)
 WRONG_06_RESIDUAL = ("residual = (target - q).clamp_(min=0)", "residual = target.clone()")
+# Exercise 06's seeded mistake: the uniform of the guess's place in this step, not of its output
+# index (the tokens then depend on how the request's steps fell: the batch, the pool)
+WRONG_06_SEEDED = ("draw_uniform(p.seed, first_index + j, sample_id)",
+                   "draw_uniform(p.seed, j, sample_id)")
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone
 
@@ -100,6 +104,10 @@ def test_grader_passes_the_reference_and_fails_skeleton_and_mistake(ex_id, tmp_p
         wrong = grade(ex, tmp_path, source.replace(*WRONG_06_RESIDUAL))
         assert wrong.returncode != 0, "06: the grader accepts resampling from p after a rejection"
         assert "does not follow the target's distribution" in wrong.stdout, wrong.stdout[-2000:]
+        assert WRONG_06_SEEDED[0] in source
+        wrong = grade(ex, tmp_path, source.replace(*WRONG_06_SEEDED))
+        assert wrong.returncode != 0, "06: the grader accepts a uniform that is not the index's"
+        assert "plain decoding draws" in wrong.stdout, wrong.stdout[-2000:]
 
 
 def test_start_never_overwrites_a_students_work(tmp_path):

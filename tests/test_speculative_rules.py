@@ -1,7 +1,8 @@
-"""Rung 6, speculative decoding's rules: the acceptance rules (greedy; rejection sampling, whose
-tokens must follow the target's distribution: chi-square tests, on a 5-token vocabulary and on the
-engine), a fixed seed's independence from the batch, and the block books under random propose /
-accept / truncate / fork / free (hypothesis, with a simulated KV store)."""
+"""Rung 6, speculative decoding's rules: the acceptance rules (greedy; seeded, whose tokens must be
+plain decoding's; rejection sampling, whose tokens must follow the target's distribution:
+chi-square tests, on a 5-token vocabulary and on the engine), the seed promise (a seeded request's
+tokens are plain paged's, alone or in a batch that preempts it), and the block books under random
+propose / accept / truncate / fork / free (hypothesis, with a simulated KV store)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,10 @@ from minillm import LLM, SamplingParams
 from minillm.core.block_manager import BlockManager
 from minillm.core.sequence import Sequence
 from minillm.engines.r6_speculative.proposers import DraftModelProposer
-from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled
+from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled, accept_seeded
 from minillm.lab.checks import check_block_invariants
 from minillm.request import Request
+from minillm.sampling import draw_uniform, sample_one
 from test_speculative import assert_pool_full, run
 
 
@@ -46,30 +48,62 @@ def chi2_pvalue(counts_a: list[int], counts_b: list[float]) -> float:
                                          torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("q_kind", ["draft", "point"])
-def test_rejection_sampling_gives_the_target_distribution(q_kind):
+def test_accept_seeded_is_plain_decodings_draw():
+    """Whatever the guesses, every kept token is the one plain decoding draws at its output index
+    (``draw_uniform(seed, index)``): guesses are kept while they equal it, then its own draw."""
+    torch.manual_seed(0)
+    for seed in range(200):
+        logits = torch.randn(4, 7) * 2
+        p = SamplingParams(temperature=1.5, top_k=5 if seed % 2 else 0, seed=seed)
+        plain = [sample_one(logits[j], 1.5, p.top_k, 1.0, draw_uniform(seed, 9 + j))
+                 for j in range(4)]
+        assert accept_seeded(plain[:3], logits, p, 9) == plain, "all guesses right: k + 1 tokens"
+        assert accept_seeded([], logits[:1], p, 9) == plain[:1]
+        wrong = seed % 3
+        guesses = plain[:3]
+        guesses[wrong] = (guesses[wrong] + 1) % 7
+        assert accept_seeded(guesses, logits, p, 9) == plain[:wrong + 1]
+
+
+def coupled_guesses(q: torch.Tensor, seed: int) -> list[int]:
+    """A draft's guesses drawn from ``q`` as ``DraftModelProposer._draw`` does for a seeded request:
+    plain decoding's inverse CDF with the uniform the target uses at the same index."""
+    return [sample_one(q[j].log(), 1.0, 0, 1.0, draw_uniform(seed, j)) for j in range(len(q))]
+
+
+@pytest.mark.parametrize("rule,q_kind", [("sampled", "draft"), ("sampled", "point"),
+                                         ("seeded", "draft"), ("seeded", "point")])
+def test_acceptance_gives_the_target_distribution(rule, q_kind):
     """Two positions over a 5-token vocabulary, 4,000 seeds: the first token follows p(.) and the
-    second p(.|first), whatever the proposer's q; a deliberately wrong rule (always accept) fails."""
+    second p(.|first), whatever the proposer's q (a distribution, or a point mass as the n-gram
+    proposer's); a deliberately wrong rule (always accept) fails."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, -0.5],
                            [1.0, 0.0, 0.0, 2.0, 0.3]])
     q = torch.softmax(torch.tensor([[0.0, 2.0, 1.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 1.0]]), -1)
-    p = SamplingParams(temperature=1.0)
-    first, firsts_wrong = [0] * 5, [0] * 5
+    first, firsts_wrong, second = [0] * 5, [0] * 5, [0] * 5
     for seed in range(4000):
-        p = dataclasses.replace(p, seed=seed)
-        rng = random.Random(seed)
-        if q_kind == "draft":
-            guesses = [rng.choices(range(5), weights=q[j].tolist())[0] for j in range(2)]
-            kept = accept_sampled(guesses, q, logits, p, 0)
+        p = SamplingParams(temperature=1.0, seed=seed)
+        if q_kind == "point":
+            guesses, probs = [1, 3], None
+        elif rule == "seeded":
+            guesses, probs = coupled_guesses(q, seed), q
         else:
-            guesses = [1, 3]
-            kept = accept_sampled(guesses, None, logits, p, 0)
+            rng = random.Random(seed)
+            guesses, probs = [rng.choices(range(5), weights=q[j].tolist())[0] for j in range(2)], q
+        kept = accept_seeded(guesses, logits, p, 0) if rule == "seeded" else \
+            accept_sampled(guesses, probs, logits, p, 0)
         first[kept[0]] += 1
         firsts_wrong[guesses[0]] += 1
+        if len(kept) > 1:          # the first guess kept: the second token was checked after it
+            second[kept[1]] += 1
     expected = (torch.softmax(logits[0], -1) * 4000).tolist()
     assert chi2_pvalue(first, [round(e) for e in expected]) > 1e-3, (first, expected)
     assert chi2_pvalue(firsts_wrong, [round(e) for e in expected]) < 1e-6, \
         "the test must be able to tell a wrong distribution"
+    # the second token after a kept first guess follows the target's row for that context
+    n = sum(second)
+    assert n > 100, second
+    assert chi2_pvalue(second, [float(e) for e in torch.softmax(logits[1], -1) * n]) > 1e-3, second
 
 
 class ArgmaxPointProposer(DraftModelProposer):
@@ -77,17 +111,21 @@ class ArgmaxPointProposer(DraftModelProposer):
     proposer's branch of rejection sampling with guesses that are often, not always, kept."""
 
     @staticmethod
-    def _draw(logits, p, index):
+    def _draw(logits, p, index, sample_id=0):
         return int(logits.argmax()), None
 
     def proposal_probs(self, seq):
         return None
 
 
-@pytest.mark.parametrize("proposer", ["draft", pytest.param("point", marks=pytest.mark.slow)])
-def test_sampled_outputs_follow_the_target_distribution(tiny, proposer):
-    """300 seeds of one prompt, top-k 3, four tokens: the distribution of tokens 2-4 with
-    speculation equals the plain engine's (chi-square, contingency table per position)."""
+@pytest.mark.parametrize("proposer,seeded", [
+    ("draft", True), ("draft", False), pytest.param("point", True, marks=pytest.mark.slow),
+    pytest.param("point", False, marks=pytest.mark.slow)])
+def test_sampled_outputs_follow_the_target_distribution(tiny, proposer, seeded):
+    """300 prompts alike, top-k 3, four tokens. Seeded: every request's tokens are the plain
+    engine's for its seed. Unseeded (rejection sampling, the global ``random`` seeded so the test
+    repeats): the distribution of tokens 2-4 equals the plain engine's (chi-square, contingency
+    table per position)."""
     prompt = random_prompts(1, seed=12, lo=6, hi=6)[0]
     params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
               for s in range(300)]
@@ -96,10 +134,17 @@ def test_sampled_outputs_follow_the_target_distribution(tiny, proposer):
                max_num_seqs=128)
     if proposer == "point":
         spec.engine.proposer = ArgmaxPointProposer(spec.engine.runner, 2, spec.engine.block_manager.num_blocks)
-    _, res = run(spec, [prompt] * 300, [SamplingParams(**{**vars(p), "seed": p.seed + 10_000})
-                                        for p in params])
+    state = random.getstate()
+    try:
+        random.seed(2024)
+        _, res = run(spec, [prompt] * 300, params if seeded else
+                     [SamplingParams(**{**vars(p), "seed": None}) for p in params])
+    finally:
+        random.setstate(state)
     stats = res.metrics.extra["speculative"]
     assert 0 < stats["num_accepted"] < stats["num_proposed"], stats
+    if seeded:
+        assert [o.token_ids for o in res.outputs] == [o.token_ids for o in base.outputs]
     for pos in (1, 2, 3):
         a = [o.token_ids[pos] for o in base.outputs]
         b = [o.token_ids[pos] for o in res.outputs]
@@ -109,19 +154,38 @@ def test_sampled_outputs_follow_the_target_distribution(tiny, proposer):
     assert_pool_full(spec.engine)
 
 
-@pytest.mark.parametrize("engine", ["paged+draft", "paged+ngram"])
-def test_fixed_seed_does_not_depend_on_the_batch(tiny, engine):
-    prompt = random_prompts(1, seed=8, lo=60, hi=60)[0] * 2   # the n-gram proposer finds matches
-    p = SamplingParams(max_tokens=16, temperature=0.9, seed=123, ignore_eos=True)
-    opts = {"draft_layers": 1} if engine == "paged+draft" else {"prompt_lookup_min": 1}
-    alone = LLM(tiny, engine=engine, **opts).generate([prompt], p)[0]
-    others = random_prompts(7, seed=3, lo=2, hi=25)
-    mixed = LLM(tiny, engine=engine, **opts).generate(
-        others[:3] + [prompt] + others[3:],
-        [SamplingParams(max_tokens=20, temperature=1.0, seed=k) for k in range(3)] + [p]
-        + [SamplingParams(max_tokens=12) for _ in range(4)])[3]
-    assert alone.token_ids == mixed.token_ids
+SEED_CASES = {"ngram": ("paged+ngram", {"prompt_lookup_min": 1}),
+              "draft": ("paged+draft", {"draft_layers": 1}),
+              "full-draft": ("paged+draft", {"draft_layers": 2})}    # q = p: most guesses kept
+_plain_seeded: list = []
+
+
+@pytest.mark.parametrize("case", list(SEED_CASES))
+def test_seeded_sample_does_not_depend_on_batch_pool_or_guesses(tiny, case):
+    """The seed promise: a seeded request (temperature 2, seed 123) gives the plain paged engine's
+    tokens run alone, and run last behind 12 others on a pool of 40 blocks of 4 that preempts it
+    (it then recomputes without guesses, and its guesses land elsewhere)."""
+    engine, opts = SEED_CASES[case]
+    prompt = random_prompts(1, seed=8, lo=24, hi=24)[0] * 2   # the n-gram proposer finds matches
+    p = SamplingParams(max_tokens=24, temperature=2.0, seed=123, ignore_eos=True)
+    pool = {"num_blocks": 40, "block_size": 4}
+    if not _plain_seeded:
+        _plain_seeded.append(LLM(tiny, engine="paged", **pool).generate([prompt], p)[0].token_ids)
+    plain = _plain_seeded[0]
+    alone = LLM(tiny, engine=engine, **pool, **opts).generate([prompt], p)[0]
+    assert alone.token_ids == plain, "speculation changed a seeded sample"
     assert alone.spec.num_proposed > 0
+    llm = LLM(tiny, engine=engine, **pool, **opts)
+    others = random_prompts(12, seed=3, lo=8, hi=30)
+    reqs = llm.make_requests(others + [prompt], [
+        SamplingParams(max_tokens=20, temperature=1.0, seed=k, ignore_eos=True) for k in range(6)]
+        + [SamplingParams(max_tokens=16, ignore_eos=True) for _ in range(6)] + [p])
+    res = llm.run(reqs)
+    assert reqs[-1].num_preemptions > 0, "the pool should preempt the seeded request"
+    assert res.outputs[-1].token_ids == plain, "the batch or a preemption changed a seeded sample"
+    if case == "full-draft":
+        assert alone.spec.num_accepted > 0 and res.outputs[-1].spec.num_accepted > 0
+    assert_pool_full(llm.engine)
 
 
 # --- rollback keeps the books ------------------------------------------------------------------------

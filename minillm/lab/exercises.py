@@ -68,11 +68,13 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "Token i of a sequence lives in block block_table[i // block_size] at offset "
              "i % block_size; decode attends to the first context_lens[b] tokens only."),
     Exercise("06", "Speculative decoding: which guesses the target keeps",
-             "minillm.engines.r6_speculative.rejection", ("accept_greedy", "accept_sampled"),
-             "06_speculative_decoding", 35,
+             "minillm.engines.r6_speculative.rejection",
+             ("accept_greedy", "accept_seeded", "accept_sampled"), "06_speculative_decoding", 40,
              "Greedy: keep guesses while they equal the target's argmax, then add the target's "
-             "own token. Sampling: keep guess d with probability min(1, p(d) / q(d)); on the "
-             "first rejection draw from max(0, p - q) renormalized, and stop."),
+             "own token. Seeded: the same, with the argmax replaced by plain decoding's draw at "
+             "that output index (sample_one with draw_uniform(seed, index)). Unseeded: keep guess "
+             "d with probability min(1, p(d) / q(d)); on the first rejection draw from "
+             "max(0, p - q) renormalized, and stop."),
 ]}
 
 

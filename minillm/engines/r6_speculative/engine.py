@@ -8,8 +8,9 @@ speculating sequence -> the acceptance rule keeps a prefix of the guesses plus t
 next token -> ``BlockManager.truncate`` gives back the slots of the rejected ones at once.
 
 Only n = 1 requests without beam search speculate (greedy and sampled): n > 1 samples and beams
-decode normally in the same batches. Greedy output is token for token the paged engine's; sampled
-output follows the same distribution (``rejection.py``).
+decode normally in the same batches. Greedy and seeded output is token for token the paged engine's,
+whatever the batch, the pool or a preemption (a seeded token depends on its seed, sample and index
+only); unseeded sampled output follows the same distribution (``rejection.py``).
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ class SpeculativeEngine(PagedEngine):
         n_before = seq.num_tokens - len(guesses)            # tokens before this step's guesses
         first_index = n_before - seq.prompt_len
         kept = accept(guesses, self.proposer.proposal_probs(seq), logits, seq.request.params,
-                      first_index)
+                      first_index, seq.sample_id)
         kept = self._until_stop(seq, kept, n_before)
         accepted = next((i for i, (a, b) in enumerate(zip(kept, guesses)) if a != b),
                         min(len(kept), len(guesses)))

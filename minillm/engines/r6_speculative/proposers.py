@@ -19,10 +19,11 @@ from typing import Protocol
 import torch
 
 from ...request import SamplingParams
+from ...sampling import draw_uniform, sample_one
 from ...core.block_manager import BlockManager
 from ...core.runner import ModelRunner
 from ...core.sequence import Sequence
-from .rejection import full_probs, inverse_cdf, spec_uniform
+from .rejection import full_probs
 
 
 class Proposer(Protocol):
@@ -31,7 +32,8 @@ class Proposer(Protocol):
 
     def proposal_probs(self, seq: Sequence) -> torch.Tensor | None:
         """The distributions the last guesses for ``seq`` were drawn from, ``[k, vocab]``, or
-        None when they were certain (rejection sampling needs them)."""
+        None when they were certain or ``seq``'s request is seeded (only ``accept_sampled``, the
+        unseeded rule, needs them)."""
 
     def reset(self) -> None:
         """Forget every sequence (the engine was reset)."""
@@ -122,7 +124,7 @@ class DraftModelProposer:
             for (s, d, _), (_, n) in zip(active, scheduled):
                 d.num_computed_tokens += n
                 token, q = self._draw(logits[row_of[d.seq_id]], s.request.params,
-                                      len(s.output_token_ids) + j)
+                                      len(s.output_token_ids) + j, s.sample_id)
                 d.token_ids.append(token)
                 guesses[s.seq_id].append(token)
                 if q is not None:
@@ -131,13 +133,19 @@ class DraftModelProposer:
         return [guesses[s.seq_id] for s in seqs]
 
     @staticmethod
-    def _draw(logits: torch.Tensor, p: SamplingParams, index: int) -> tuple[int, torch.Tensor | None]:
-        """The draft's guess for output token ``index``: its argmax (greedy requests) or a draw
-        from its own filtered distribution q, which rejection sampling then needs."""
+    def _draw(logits: torch.Tensor, p: SamplingParams, index: int,
+              sample_id: int = 0) -> tuple[int, torch.Tensor | None]:
+        """The draft's guess for output token ``index``: its argmax (greedy requests), else plain
+        decoding's draw from its own filtered distribution q with the uniform the target draws
+        that index with (``draw_uniform``). Seeded, that uniform is the request's: the two
+        inverse-CDF draws, from q and from p, agree often when q is close to p, and the target keeps
+        the guess iff they agree (``accept_seeded``). Unseeded, it is fresh entropy, and q comes
+        back too: rejection sampling (``accept_sampled``) needs it."""
         if p.greedy:
             return int(logits.argmax()), None
-        q = full_probs(logits, p)
-        return inverse_cdf(q, spec_uniform(p.seed, index, "draft")), q
+        token = sample_one(logits.float(), p.temperature, p.top_k, p.top_p,
+                           draw_uniform(p.seed, index, sample_id))
+        return token, None if p.seed is not None else full_probs(logits, p)
 
     def proposal_probs(self, seq: Sequence) -> torch.Tensor | None:
         return self.probs.get(seq.seq_id)

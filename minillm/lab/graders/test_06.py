@@ -1,11 +1,13 @@
-"""Exercise 06 — speculative decoding's acceptance rule: ``accept_greedy`` and ``accept_sampled``
-in ``rejection.py``.
+"""Exercise 06 — speculative decoding's acceptance rules: ``accept_greedy``, ``accept_seeded`` and
+``accept_sampled`` in ``rejection.py``.
 
 Greedy: the kept tokens are the guesses up to the first wrong one, then the target's own token;
 the speculative engine built on the student's rule must produce the plain engine's tokens (Hugging
-Face's) with guesses that are right, wrong and half right. Sampling: whatever the proposer's
-distribution q, the first token kept must follow the target's p (a chi-square test over 3,000
-seeds).
+Face's) with guesses that are right, wrong and half right. Seeded sampling: every kept token is the
+one plain decoding draws at its output index, so the engine on the student's rule must reproduce
+the plain engine's seeded samples token for token. Unseeded sampling (rejection): whatever the
+proposer's distribution q, the first token kept must follow the target's p (a chi-square test over
+3,000 seeds).
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import random
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled
+from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled, accept_seeded
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 from minillm.request import Request
+from minillm.sampling import draw_uniform, sample_one
 
 
 def test_greedy_keeps_the_right_guesses_and_adds_the_targets_token():
@@ -51,17 +54,19 @@ class HalfRightProposer:
         pass
 
 
-def test_speculative_engine_on_this_rule_equals_plain_decoding(tiny):
-    """The paged engine without speculation (itself equal to Hugging Face ``generate``) is the
-    reference: guesses right, wrong and half right must not change a single token."""
+def run_half_right(tiny, params: SamplingParams) -> None:
+    """The paged engine without speculation is the reference; the speculative engine, guessing
+    the reference's tokens with every third guess wrong, must not change a single token."""
     prompts = random_prompts(5, seed=17, lo=3, hi=20)
 
     def requests():
-        return [Request(list(p), SamplingParams(max_tokens=16, ignore_eos=True),
-                        request_id=f"r{i}") for i, p in enumerate(prompts)]
+        return [Request(list(p), SamplingParams(**{**vars(params), "seed": None if params.seed is None
+                                                   else params.seed + i}), request_id=f"r{i}")
+                for i, p in enumerate(prompts)]
     plain = LLM(tiny, engine="paged", block_size=4).run(requests())
     refs = {o.request_id: o.token_ids for o in plain.outputs}
-    assert_greedy_match(refs["r0"], hf_greedy(tiny, prompts[0], 16), label="r0 (plain)")
+    if params.greedy:      # the plain engine itself equals Hugging Face ``generate``
+        assert_greedy_match(refs["r0"], hf_greedy(tiny, prompts[0], 16), label="r0 (plain)")
     llm = LLM(tiny, engine="paged+ngram", num_speculative_tokens=3, block_size=4)
     llm.engine.proposer = HalfRightProposer(refs)
     res = llm.run(requests())
@@ -70,6 +75,32 @@ def test_speculative_engine_on_this_rule_equals_plain_decoding(tiny):
             f"{out.request_id}: with speculation {out.token_ids}, without {refs[out.request_id]}")
     stats = res.metrics.extra["speculative"]
     assert 0 < stats["num_accepted"] < stats["num_proposed"]
+
+
+def test_speculative_engine_on_this_rule_equals_plain_decoding(tiny):
+    run_half_right(tiny, SamplingParams(max_tokens=16, ignore_eos=True))
+
+
+def test_seeded_rule_keeps_plain_decodings_draw():
+    """The seed promise: output token i of a seeded request is the one plain decoding draws,
+    ``sample_one(logits, ..., draw_uniform(seed, i))``, whether or not position i was guessed."""
+    torch.manual_seed(5)
+    for seed in range(60):
+        logits = torch.randn(4, 6) * 2
+        params = SamplingParams(temperature=1.3, seed=seed)
+        plain = [sample_one(logits[j], 1.3, 0, 1.0, draw_uniform(seed, 11 + j)) for j in range(4)]
+        for wrong in (0, 1, 2, None):
+            guesses = [(t + 1) % 6 if j == wrong else t for j, t in enumerate(plain[:3])]
+            want = plain if wrong is None else plain[:wrong + 1]
+            got = accept_seeded(guesses, logits, params, 11)
+            assert got == want, (
+                f"seed {seed}, output indices 11-14, guesses {guesses}: kept {got}, but plain "
+                f"decoding draws {plain} there (keep guesses while they equal its draw, then add "
+                f"its own draw; the uniform of output index i is draw_uniform(seed, i))")
+
+
+def test_speculative_engine_on_the_seeded_rule_equals_plain_sampling(tiny):
+    run_half_right(tiny, SamplingParams(max_tokens=16, temperature=1.0, seed=40, ignore_eos=True))
 
 
 def chi2_pvalue(observed: list[int], expected: list[float]) -> float:
@@ -83,11 +114,10 @@ def test_sampled_tokens_follow_the_target_distribution():
     logits = torch.tensor([[1.5, 1.0, 0.2, 0.0], [0.0, 2.0, 0.5, 0.1], [0.3, 0.3, 1.0, 0.0]])
     p_first = torch.softmax(logits[0], -1)
     q = torch.softmax(torch.tensor([[0.0, 2.5, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]), -1)
-    params = SamplingParams(temperature=1.0)
     for draft in (True, False):        # a draft model's q, and a certain guess (n-gram)
         counts = [0] * 4
         for seed in range(3000):
-            params = dataclasses.replace(params, seed=seed)
+            params = SamplingParams(temperature=1.0, seed=seed)
             rng = random.Random(seed)
             guesses = [rng.choices(range(4), q[j].tolist())[0] for j in range(2)] if draft else [1, 2]
             kept = accept_sampled(guesses, q if draft else None, logits, params, 0)
