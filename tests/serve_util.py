@@ -6,6 +6,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import pytest
 import uvicorn
 
 from minillm import LLM
@@ -52,3 +53,16 @@ def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> N
             break
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# The two fixtures the serving tests share (import them into a test module to use them).
+@pytest.fixture(scope="module")
+def offline(tiny):
+    return LLM(tiny, engine="paged")
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    llm = LLM(tiny, engine="paged", num_blocks=96, max_num_seqs=16)
+    with running_server(llm, max_waiting=64) as (url, app):
+        yield url, app

@@ -20,23 +20,12 @@ from hypothesis import given, settings, strategies as st
 
 from minillm import LLM, SamplingParams
 from minillm.serve.detok import IncrementalDetokenizer
-from serve_util import running_server, wait_until
+from serve_util import offline, running_server, server, wait_until  # noqa: F401 (fixtures)
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "Once upon a time",
            "def main():", "Q: why is the sky blue?\nA:", "<html>", "zzz", "a", "Tell me a story",
            "ключ", "東京", "42", "SELECT * FROM", "import torch", "The end."]
 
-
-@pytest.fixture(scope="module")
-def offline(tiny):
-    return LLM(tiny, engine="paged")
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    llm = LLM(tiny, engine="paged", num_blocks=96, max_num_seqs=16)
-    with running_server(llm, max_waiting=64) as (url, app):
-        yield url, app
 
 
 def client(url: str, **kw) -> openai.OpenAI:

@@ -25,23 +25,12 @@ import pytest
 
 from minillm import LLM, Request, SamplingParams
 from minillm.request import RequestError
-from serve_util import free_port, running_server, wait_until
+from serve_util import free_port, offline, running_server, server, wait_until  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
 BIG = 50 * 1024 * 1024
 
-
-@pytest.fixture(scope="module")
-def offline(tiny):
-    return LLM(tiny, engine="paged")
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    llm = LLM(tiny, engine="paged", num_blocks=96, max_num_seqs=16)
-    with running_server(llm, max_waiting=64) as (url, app):
-        yield url, app
 
 
 def post(url: str, path: str = "/v1/completions", **kw) -> httpx.Response:
