@@ -1,5 +1,5 @@
 """One KV pool, allocated in one place (``minillm.core.kv_pool.KVPool``), and one
-``ModelRunner.__init__`` every runner goes through: rung 3's, rung 6's verifier and draft, rung 7's
+``ModelRunner.__init__`` every runner goes through: rung 3's (which rung 6 verifies with), rung 6's draft, rung 7's
 stages differ only in their layers, never in how their K/V memory is laid out."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from minillm.core.attention.reference import TorchAttention
 from minillm.core.kv_pool import KVPool
 from minillm.core.model import PagedLlama
 from minillm.core.runner import ModelRunner
-from minillm.engines.r6_speculative.runner import VerifyRunner
 from minillm.engines.r7_pipeline.stage import StageConfig, StageRunner, split_layers
 
 
@@ -45,7 +44,7 @@ def test_copy_blocks_copies_every_layer_k_and_v():
 def test_speculative_runners_share_the_target_weights(tiny):
     engine = LLM(tiny, engine="paged+draft", draft_layers=1, num_blocks=20).engine
     target, draft = engine.runner, engine.proposer.runner
-    assert isinstance(target, VerifyRunner) and target.verify_ids == set()
+    assert type(target) is ModelRunner          # rung 6 verifies with the core's runner as is
     assert draft.net is target.net              # the same weight tensors: nothing copied
     assert draft.layers == range(1) and draft.pool.num_layers == 1
     assert target.pool.num_layers == tiny.config.num_hidden_layers

@@ -239,7 +239,8 @@ class BlockManager:
         """Register every block the sequence has completely computed (called after each step)."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # num_computed_tokens may run ahead of the tokens by this step's guesses (rung 6)
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for i, (h, key) in enumerate(self._keys(seq.token_ids, full)):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:

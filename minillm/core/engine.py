@@ -5,11 +5,16 @@ token budget and reserves their KV slots -> ``ModelRunner.run`` does the copy-on
 one forward over all of them -> ``Sampler`` turns the logits of every sequence that reached its
 end into a token (or a beam's log-probabilities) -> ``Scheduler.postprocess`` commits: appends,
 forks, finishes and frees.
+
+Two extension points let a later rung add to the step without copying it: ``propose`` (before
+scheduling: guesses for a sequence to compute as extra tokens) and ``verify`` (which of them the
+target keeps). Rung 6 (speculative decoding) is those two methods.
 """
 from __future__ import annotations
 
 import time
 
+import torch
 from torch.profiler import record_function
 
 from ..memory import KVCounts, MemorySnapshot
@@ -20,6 +25,7 @@ from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
+from .sequence import Sequence
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -65,7 +71,7 @@ class PagedEngine(Engine):
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> ModelRunner:
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
-        extension point later rungs override (rung 6 verifies, rung 7 runs a stage)."""
+        extension point later rungs override (rung 7 runs a stage of the layers)."""
         return ModelRunner(self.model, num_blocks, block_size, backend)
 
     def pool_size(self, block_size: int, num_blocks: int | None, kv_cache_bytes: int | None,
@@ -143,28 +149,69 @@ class PagedEngine(Engine):
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> StepOutput:
-        out = StepOutput(finished=self.aborted)
-        self.aborted = []
+        out = self._take_aborted()
+        self.propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if not self.scheduler.running and self.scheduler.waiting and not out.finished:
-                raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
-            return out
+            return self._idle(out)
         t = time.perf_counter()
         self.runner.copy_blocks(sched.copies)
         reached, logits = self.runner.run(sched.scheduled)
         self._account(out, sched, (time.perf_counter() - t) * 1000.0)
         self.scheduler.commit_computed(sched)
-        with record_function("minillm::sample"):
-            tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(reached))
-        out.finished += self.scheduler.postprocess(tokens, beam_logprobs)
+        self.complete(reached, logits, out)
         return out
+
+    def _take_aborted(self) -> StepOutput:
+        """A step's output starts with the requests aborted since the last step."""
+        out = StepOutput(finished=self.aborted)
+        self.aborted = []
+        return out
+
+    def _idle(self, out: StepOutput) -> StepOutput:
+        """Nothing was scheduled: fine while requests wait for memory held by running ones (or
+        were just aborted), a bug if the pool is empty and the queue still is not."""
+        if not self.scheduler.running and self.scheduler.waiting and not out.finished:
+            raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
+        return out
+
+    def complete(self, reached: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
+        """Turn a forward's logits into tokens and commit them: sample one row per sequence (n > 1
+        samples fork here, sharing their prompt's row), hand the 1 + k rows of each sequence with
+        guesses to ``verify``, then ``postprocess`` appends, finishes and frees."""
+        plain, lookahead, r = [], {}, 0
+        for seq in reached:
+            k = len(seq.spec_token_ids)
+            if k:
+                lookahead[seq] = logits[r:r + k + 1]
+            else:
+                plain.append(r)
+            r += k + 1
+        if lookahead:
+            logits = logits[plain]
+        seqs = [s for s in reached if not s.spec_token_ids]
+        with record_function("minillm::sample"):
+            tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(seqs))
+        accepted = self.verify(lookahead) if lookahead else None
+        out.finished += self.scheduler.postprocess(tokens, beam_logprobs, accepted)
+
+    # --- extension points (rung 6 guesses ahead) ----------------------------------------------------
+    def propose(self) -> None:
+        """Before scheduling: give running sequences guesses (``Sequence.spec_token_ids``) for the
+        scheduler to plan as extra tokens. Rung 3 guesses nothing."""
+
+    def verify(self, lookahead: dict[Sequence, torch.Tensor]) -> dict[Sequence, list[int]]:
+        """The tokens each sequence keeps of its guesses (plus the target's own next token), from
+        its 1 + k rows of logits. Only called when ``propose`` guessed (rung 6)."""
+        raise NotImplementedError(f"engine {self.name!r} proposes no guesses to verify")
 
     @staticmethod
     def _account(out: StepOutput, sched: SchedulerOutput, ms: float) -> None:
-        """A mixed step's forward time is split between prefill and decode by token count."""
+        """A mixed step's forward time is split between prefill and decode by token count; a
+        verification's 1 + k tokens count as decode (they produce output, not a prompt)."""
         n_all = sched.num_tokens
-        n_dec = sum(1 for s, n in sched.scheduled if n == 1 and s.num_computed_tokens >= s.prompt_len)
+        n_dec = sum(n for s, n in sched.scheduled if s.spec_token_ids
+                    or (n == 1 and s.num_computed_tokens >= s.prompt_len))
         out.prefill_ms, out.decode_ms = ms * (n_all - n_dec) / n_all, ms * n_dec / n_all
         out.num_prefill_tokens, out.num_decode_tokens = n_all - n_dec, n_dec
         out.batch_size = len(sched.scheduled)

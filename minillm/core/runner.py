@@ -24,7 +24,8 @@ def step_order(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, in
 def reaching_end(order: list[tuple[Sequence, int]]) -> list[int]:
     """Indices in ``order`` of the sequences whose newest token is computed this step: they get
     logits (a middle chunk of a long prompt does not)."""
-    return [k for k, (s, n) in enumerate(order) if s.num_computed_tokens + n == s.num_tokens]
+    return [k for k, (s, n) in enumerate(order)
+            if s.num_computed_tokens + n == s.num_tokens + len(s.spec_token_ids)]
 
 
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
@@ -76,9 +77,16 @@ class ModelRunner:
     def split(self, scheduled: list[tuple[Sequence, int]]):
         """(decodes, prefills): which of a step's sequences attend as decode rows (each of their n
         tokens one row, its context ending at its own position) and which as prefill chunks.
-        Here: one-token decodes, and chunks. Rung 6's verification overrides it."""
+
+        A verification (rung 6: the newest token and k guesses) is a decode too: token i of it
+        attends to the cache up to its own position, whose K/V are written before attention
+        reads them, so its 1 + k tokens become 1 + k decode rows sharing one block table and run
+        in the batched decode attention beside the others, instead of one chunk per sequence
+        (a gather and a mask each, per layer: slow for 64 sequences of 5 tokens)."""
         order = step_order(scheduled)
-        return [(s, n) for s, n in order if n == 1], [(s, n) for s, n in order if n > 1]
+        verify = [(s, n) for s, n in order if n > 1 and s.spec_token_ids]
+        return ([(s, n) for s, n in order if n == 1] + verify,
+                [(s, n) for s, n in order if n > 1 and not s.spec_token_ids])
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Flatten a step into model inputs. Returns (input_ids, positions, meta, order, last)
@@ -89,7 +97,7 @@ class ModelRunner:
         ids, pos, slots, last = [], [], [], []
         for seq, n in order:
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            ids += seq.input_ids(start, n)
             pos += range(start, start + n)
             slots += self.slot_mapping(seq, start, n)
             last.append(len(ids) - 1)
@@ -121,21 +129,18 @@ class ModelRunner:
                                        self.layers.start, self.layers.stop)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]],
-            num_rows: dict[int, int] | None = None) -> tuple[list[Sequence], torch.Tensor]:
-        """One forward; returns the sequences that reached their newest token and their logits.
-
-        ``num_rows`` (seq_id -> r; speculative decoding, rung 6) asks for the logits of such a
-        sequence's last r positions, in order, instead of its last one: r consecutive rows."""
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward; returns the sequences that reached their newest token and their logits:
+        one row each, or 1 + k consecutive rows for a sequence with k guesses (rung 6), the
+        target's distribution after its newest token and after each guess."""
         ids, pos, meta, order, last = self.prepare(scheduled)
         with record_function("minillm::forward"):     # scopes for `make profile` (profile_step.py)
             hidden = self.net.final_hidden(self.forward(ids, pos, meta))
         want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
             return [], hidden.new_empty((0, self.net.lm_head.shape[0]))
-        rows = num_rows or {}
         idx = torch.tensor([i for k in want for i in
-                            range(last[k] + 1 - rows.get(order[k][0].seq_id, 1), last[k] + 1)],
+                            range(last[k] - len(order[k][0].spec_token_ids), last[k] + 1)],
                            device=self.device)
         with record_function("minillm::logits"):
             return [order[k][0] for k in want], self.net.logits(hidden[idx])

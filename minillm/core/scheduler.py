@@ -24,6 +24,7 @@ more blocks than the request was admitted with, and could never fit a tight pool
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -91,26 +92,33 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, exclude: Collection[SequenceGroup] = (),
+                 max_new: int | None = None) -> SchedulerOutput:
+        """Plan one step. ``exclude``: running groups that must not be touched this call —
+        neither scheduled nor preempted — though they keep their seats against ``max_num_seqs``
+        (rung 7: the requests in flight in the pipeline). ``max_new``: admit at most this many
+        waiting groups (rung 7 shares new requests between micro-batches)."""
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens
         self.running.sort(key=self.rank)
-        for group in list(self.running):
+        for group in [g for g in self.running if g not in exclude]:
             if group not in self.running:       # preempted while making room for a better one
                 continue
-            budget = self._schedule_running(group, budget, out)
+            budget = self._schedule_running(group, budget, out, exclude)
             if budget == 0:
                 break
         if not out.preempted:                   # memory is tight: let running requests finish
-            budget = self._schedule_waiting(budget, out)
+            budget = self._schedule_waiting(budget, out, max_new)
+        self._trim_lookahead(out)
         return out
 
-    def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput,
+                          exclude: Collection[SequenceGroup] = ()) -> int:
         """Schedule one running group within ``budget``; return the budget left. Each sequence gets
         the tokens it still needs (``_num_to_compute``) once its slots are appended; while they
-        cannot be, preempt the lowest-ranked running group (the last of ``self.running``), until
-        they can or the group itself was the victim. Beams and samples decode together or not
-        at all."""
+        cannot be, preempt the lowest-ranked running group not in ``exclude`` (the last of
+        ``self.running``), until they can or the group itself was the victim. Beams and samples
+        decode together or not at all."""
         if all(s.num_uncomputed == 1 for s in group.seqs) and len(group.seqs) > budget:
             return budget  # beams and samples decode together, or not at all this step
         self._readopt_prompt(group)
@@ -121,7 +129,7 @@ class Scheduler:
                     break
                 continue       # done for now (a beam waiting for its siblings), or waiting to adopt
             while not self.bm.can_append(seq, num_new):
-                victim = self.running[-1]
+                victim = self._lowest_ranked(exclude)
                 self.preempt(victim, out)
                 if victim is group:
                     return budget
@@ -130,12 +138,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last;
-        return the budget left. A group first adopts cached prefix blocks, then each sequence's
+    def _lowest_ranked(self, exclude: Collection[SequenceGroup] = ()) -> SequenceGroup:
+        """The running group to preempt first: the last in rank order that may be touched."""
+        return next(g for g in reversed(self.running) if g not in exclude)
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput,
+                          max_new: int | None = None) -> int:
+        """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last
+        (and at most ``max_new`` of them, if given); return the budget left. A group first adopts cached prefix blocks, then each sequence's
         tokens are planned and their slots appended. A group none of whose tokens fit stays at
         the head of the queue (giving back any prefix blocks it adopted): nobody overtakes it."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        admitted = 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and (max_new is None or admitted < max_new):
             group = self.waiting[0]
             leader = group.seqs[0]
             if not leader.block_table:
@@ -156,6 +171,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.running.append(group)
+            admitted += 1
             out.scheduled += planned
             budget -= sum(n for _, n in planned)
         return budget
@@ -178,7 +194,17 @@ class Scheduler:
                 return 0                        # waits for the first sequence's prompt
         elif any(not s.block_table for s in group.seqs[1:]):
             return max(0, min(budget, seq.prompt_len - seq.num_computed_tokens))
-        return min(seq.num_uncomputed, budget)
+        return min(seq.num_uncomputed + len(seq.spec_token_ids), budget)
+
+    def _trim_lookahead(self, out: SchedulerOutput) -> None:
+        """A sequence's guesses (rung 6) get the slots it was given beyond its newest token: all of
+        them, fewer when the budget ran short, none if it was not scheduled (waiting, preempted).
+        The guesses were never part of its tokens, so dropping them undoes nothing."""
+        planned = {seq: n for seq, n in out.scheduled}
+        for group in self.running + self.waiting:
+            for seq in group.seqs:
+                if seq.spec_token_ids:
+                    del seq.spec_token_ids[max(0, planned.get(seq, 0) - 1):]
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Recompute preemption: drop all of the group's KV; its tokens stay, so nothing is lost
@@ -207,7 +233,8 @@ class Scheduler:
 
     # --- committing a step (nano-vllm's Scheduler.postprocess) ---------------------------------
     def commit_computed(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote these tokens' K/V: count them, offer full blocks to the cache."""
+        """The forward pass wrote these tokens' K/V: count them, offer full blocks to the cache
+        (a block holding guesses is never offered: ``cache_full_blocks`` hashes tokens only)."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
@@ -223,13 +250,19 @@ class Scheduler:
         return rows
 
     def postprocess(self, tokens: list[tuple[Sequence, int]],
-                    beam_logprobs: list[tuple[Sequence, torch.Tensor]]) -> list[Request]:
-        """Append sampled tokens, advance beams, free what finished; return finished requests."""
+                    beam_logprobs: list[tuple[Sequence, torch.Tensor]],
+                    accepted: dict[Sequence, list[int]] | None = None) -> list[Request]:
+        """Append sampled tokens, advance beams, free what finished; return finished requests.
+        ``accepted`` (rung 6): the tokens each speculating sequence keeps — a prefix of its
+        guesses plus the target's own token; the K/V of the rejected guesses is given back."""
+        accepted = accepted or {}
         touched: dict[int, SequenceGroup] = {}
-        for seq, _ in tokens + beam_logprobs:
+        for seq, _ in tokens + beam_logprobs + list(accepted.items()):
             group = self.groups[seq.request.request_id]
             touched.setdefault(id(group), group)
-        for seq, token in tokens:
+        for seq, kept in accepted.items():
+            self._accept(seq, kept)
+        for seq, token in tokens + [(s, kept[-1]) for s, kept in accepted.items()]:
             self._append(seq, token)
         for seq, logprobs in beam_logprobs:
             seq.pending_logprobs = logprobs
@@ -240,6 +273,15 @@ class Scheduler:
             if not group.seqs:
                 finished.append(self.finish_group(group))
         return finished
+
+    def _accept(self, seq: Sequence, kept: list[int]) -> None:
+        """Verified lookahead: keep the K/V of the newest token and of the guesses kept (all but
+        the last kept token, which is the target's own and has no K/V yet), free the rest."""
+        seq.spec_token_ids = []
+        self.bm.truncate(seq, seq.num_tokens + len(kept) - 1)
+        for token in kept[:-1]:
+            self._append(seq, token)
+        self.bm.cache_full_blocks(seq)                  # full blocks of kept tokens only
 
     def _append(self, seq: Sequence, token: int) -> None:
         req = seq.request

@@ -29,6 +29,8 @@ class Sequence:
     sample_id: int = 0                   # which of the request's n samples this is
     pending_logprobs: torch.Tensor | None = None   # beam search: waiting for the other beams
     finish_reason: FinishReason | None = None
+    # rung 6: this step's guesses, computed after token_ids but never part of them
+    spec_token_ids: list[int] = field(default_factory=list)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
 
     @property
@@ -44,6 +46,13 @@ class Sequence:
         """Tokens still to run through the model: the prompt (or what is left of it) during
         prefill, exactly 1 (the newest token) during decode."""
         return self.num_tokens - self.num_computed_tokens
+
+    def input_ids(self, start: int, n: int) -> list[int]:
+        """The ``n`` tokens to run from position ``start``: its tokens, then its guesses."""
+        ids = self.token_ids[start:start + n]
+        if len(ids) < n:
+            ids += self.spec_token_ids[:n - len(ids)]
+        return ids
 
     def fork(self) -> "Sequence":
         """A child that shares every block (the caller bumps reference counts)."""

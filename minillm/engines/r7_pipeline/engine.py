@@ -35,7 +35,7 @@ from ..base import StepOutput
 from ...core.engine import PagedEngine
 from ...core.model import PagedLlama
 from ...core.scheduler import SchedulerOutput
-from ...core.sequence import Sequence
+from ...core.sequence import Sequence, SequenceGroup
 from .comm import PipelineError, deferred_interrupt
 from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
 from .stage import StageConfig, StageRunner
@@ -49,7 +49,7 @@ class MicroBatch:
     between prefill and decode by token count as rung 3 does (``PagedEngine._account``)."""
 
     index: int
-    groups: set[int]              # id() of each SequenceGroup in it: not schedulable until back
+    groups: set[SequenceGroup]    # the requests in it: not schedulable until it is back
     reached: list[Sequence]       # the sequences whose logits come back, in row order
     split: StepOutput             # the prefill/decode shares (of 1 ms) and token counts
     t_launch: float
@@ -120,56 +120,45 @@ class PipelineEngine(PagedEngine):
     def step(self) -> StepOutput:
         if self.broken is not None:
             raise self.broken
-        out = StepOutput(finished=self.aborted)
-        self.aborted = []
+        out = self._take_aborted()
         try:
             while len(self.in_flight) < self.num_microbatches and self._launch():
                 pass
             if not self.in_flight:
-                if not self.scheduler.running and self.scheduler.waiting and not out.finished:
-                    raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
-                return out
+                return self._idle(out)
             with deferred_interrupt():   # the logits received <=> the micro-batch forgotten
                 mb = self.in_flight.popleft()
                 logits = self._receive(mb)
-            self._complete(mb, logits, out)
+            self._finish_microbatch(mb, logits, out)
         except PipelineError as e:
             self.broken = self.group.failure(e)
             raise self.broken from None
         return out
 
-    def _schedule(self, busy: set[int]) -> SchedulerOutput:
-        """A scheduler step over the running requests not in flight: those are hidden from it
-        for the call (so it neither schedules nor preempts them) and count against
-        ``max_num_seqs``. New requests are admitted up to an even share of the requests in the
-        engine: otherwise the first micro-batch would take them all and leave the others empty
-        (and the pipeline would run one micro-batch at a time). With one micro-batch the share
-        is everything: exactly rung 3's schedule."""
-        sched = self.scheduler
-        hidden = [g for g in sched.running if id(g) in busy]
-        sched.running = [g for g in sched.running if id(g) not in busy]
-        limit = sched.max_num_seqs
+    def _schedule(self) -> SchedulerOutput:
+        """A scheduler step over the running requests not in flight: those are excluded (neither
+        scheduled nor preempted, though they keep their seats against ``max_num_seqs``). New
+        requests are admitted up to an even share of the requests in the engine: otherwise the
+        first micro-batch would take them all and leave the others empty (and the pipeline would
+        run one micro-batch at a time). With one micro-batch the share is everything: exactly
+        rung 3's schedule."""
+        busy = {g for mb in self.in_flight for g in mb.groups}
         share = -(-len(self.groups) // self.num_microbatches)
-        sched.max_num_seqs = min(limit - len(hidden), share)
-        try:
-            return sched.schedule()
-        finally:
-            sched.running += hidden
-            sched.max_num_seqs = limit
+        visible = sum(1 for g in self.scheduler.running if g not in busy)
+        return self.scheduler.schedule(exclude=busy, max_new=max(0, share - visible))
 
     def _launch(self) -> bool:
         """Form the next micro-batch, run the first stage, send it on. False: nothing to run."""
         index, timeline = self.num_launched, self.comm.timeline
         with timeline.span("schedule", index):
-            busy = {g for mb in self.in_flight for g in mb.groups}
-            sched = self._schedule(busy)
+            sched = self._schedule()
             if not sched.scheduled:
                 return False
             ids, inputs, reached = self.runner.prepare_step(sched.scheduled, sched.copies, index)
             split = StepOutput()
             self._account(split, sched, 1.0)
             self.scheduler.commit_computed(sched)
-            groups = {id(self.groups[s.request.request_id]) for s, _ in sched.scheduled}
+            groups = {self.groups[s.request.request_id] for s, _ in sched.scheduled}
         t = time.perf_counter()
         with timeline.span("compute", index):
             hidden = self.runner.compute(inputs, ids)
@@ -191,16 +180,14 @@ class PipelineEngine(PagedEngine):
         return self.comm.recv((len(mb.reached), vocab), torch.float32,
                               self.comm.world_size - 1, microbatch=mb.index)
 
-    def _complete(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
-        """The logits of ``mb`` came back: sample and commit them, exactly as rung 3 does."""
+    def _finish_microbatch(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
+        """The logits of ``mb`` came back: sample and commit them with rung 3's ``complete``."""
         with self.comm.timeline.span("schedule", mb.index):
             # A request aborted while in flight is gone: its rows are dropped.
             keep = [i for i, s in enumerate(mb.reached) if self._alive(s)]
             if len(keep) != len(mb.reached):
                 logits = logits[keep]
-            reached = [mb.reached[i] for i in keep]
-            tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(reached))
-            out.finished += self.scheduler.postprocess(tokens, beam_logprobs)
+            self.complete([mb.reached[i] for i in keep], logits, out)
         ms = (time.perf_counter() - mb.t_launch) * 1000.0
         out.prefill_ms, out.decode_ms = mb.split.prefill_ms * ms, mb.split.decode_ms * ms
         out.num_prefill_tokens = mb.split.num_prefill_tokens
