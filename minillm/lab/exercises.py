@@ -59,8 +59,10 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              ("Scheduler._schedule_running", "Scheduler._schedule_waiting", "Scheduler.preempt"),
              "03_block_manager", 45,
              "Running requests first, then waiting ones, while the budget, max_num_seqs and free "
-             "blocks last; when a running sequence cannot get a block, preempt the lowest-ranked "
-             "running request: free all its blocks and put it back at the front of the queue."),
+             "blocks last (and at most max_new new ones); when a running sequence cannot get a "
+             "block, preempt the lowest-ranked running request not in exclude "
+             "(self._lowest_ranked(exclude)): free all its blocks and put it back at the front "
+             "of the queue."),
     Exercise("04", "Paged attention: write K/V into slots, read them back through block tables",
              "minillm.core.attention.reference",
              ("TorchAttention.write_kv", "TorchAttention.gather", "TorchAttention.decode"),
