@@ -28,7 +28,7 @@ from .engines.padded import left_pad
 from .memory import rectangle_counts
 from .metrics import StepRecord, summarize
 from .models import LoadedModel
-from .request import FinishReason, Request, RequestOutput, stop_reason
+from .request import FinishReason, Request, RequestOutput
 
 
 def _check(requests: list[Request]) -> dict:
@@ -54,14 +54,10 @@ def _stop_set(model: LoadedModel, req: Request) -> list[int]:
 def _finish(model: LoadedModel, req: Request, tokens: list[int], times: list[float]) -> None:
     """Keep ``tokens`` up to the first stop (EOS, stop token, max_tokens).
     ``times[i]`` is when token i was made."""
-    for i, tok in enumerate(tokens):
-        reason = stop_reason(req.params, tok, i + 1, req.prompt_len + i + 1, model.eos_token_ids,
-                             model.max_model_len)
-        if reason is not None or i == len(tokens) - 1:
-            req.output_token_ids = tokens[:i + 1]
-            req.first_token_time, req.finish_time = times[0], times[min(i, len(times) - 1)]
-            req.finish_reason = reason or FinishReason.LENGTH
-            return
+    if not tokens:
+        return
+    landed, reason = req.commit(0, tokens, model.eos_token_ids, model.max_model_len, now=times[0])
+    req.finish(reason or FinishReason.LENGTH, now=times[min(landed, len(times)) - 1])
 
 
 def _outputs(model: LoadedModel, name: str, requests: list[Request], steps: list[StepRecord],

@@ -162,15 +162,27 @@ _ids = itertools.count()
 
 
 @dataclass
+class SampleOutput:
+    """One sample's tokens so far and why it ended (vLLM's ``CompletionOutput``). A request has
+    one per parallel sample (``n``); beam search has one until the search ends, then the best
+    ``beam_width`` hypotheses."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
 class Request:
-    """One prompt in flight. Engines append to ``output_token_ids`` and stamp the timestamps."""
+    """One prompt in flight. Generated tokens land only through ``commit`` (every engine calls
+    it), which also stamps the first-token time and decides when a sample stops."""
 
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     arrival_offset_s: float = 0.0        # when the workload says it arrives, after the run starts
     priority: int = 0                    # lower runs first under the "priority" policy
-    output_token_ids: list[int] = field(default_factory=list)
+    outputs: list[SampleOutput] = field(default_factory=lambda: [SampleOutput(0)])
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float | None = None    # perf_counter() stamps
@@ -178,8 +190,6 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     added_step: int | None = None        # steps of its run done when the engine took it (traces)
-    # n > 1 / beam search: every sample's (or beam's) tokens, best first, once the request ends
-    samples: list[list[int]] = field(default_factory=list)
     beam_choices: list = field(default_factory=list)   # beam search: each step's choice (traces)
     spec: SpecStats | None = None        # speculative decoding's counters (rung 6)
 
@@ -200,6 +210,16 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def output_token_ids(self) -> list[int]:
+        """The first sample's tokens so far (the only one unless n > 1 or beam search)."""
+        return self.outputs[0].token_ids
+
+    @property
+    def samples(self) -> list[list[int]]:
+        """Every sample's tokens, by index (after beam search: best first)."""
+        return [o.token_ids for o in self.outputs]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -211,14 +231,40 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append_token(self, token_id: int, eos_ids: set[int], max_model_len: int) -> bool:
-        """Record a generated token; return True if the request is now finished."""
-        now = time.perf_counter()
+    def commit(self, sample: int | None, tokens: list[int] | tuple[int, ...], eos_ids: set[int],
+               max_model_len: int, now: float | None = None) -> tuple[int, FinishReason | None]:
+        """THE place generated tokens land. Append ``tokens`` to sample ``sample``'s output, one
+        by one, until one ends it (EOS, a stop token, max_tokens, the model's context); return
+        (how many landed, why the sample stopped or None). The first token of the request stamps
+        ``first_token_time``. ``sample=None`` (a beam step: its tokens land when the search
+        ends, through ``set_final``) only stamps the time."""
         if self.first_token_time is None:
-            self.first_token_time = now
-        self.output_token_ids.append(token_id)
-        reason = stop_reason(self.params, token_id, len(self.output_token_ids), self.num_tokens,
-                             eos_ids, max_model_len)
+            self.first_token_time = time.perf_counter() if now is None else now
+        if sample is None:
+            return 0, None
+        while len(self.outputs) <= sample:                  # n > 1: samples fork after prefill
+            self.outputs.append(SampleOutput(len(self.outputs)))
+        out = self.outputs[sample]
+        for i, token in enumerate(tokens):
+            out.token_ids.append(token)
+            reason = stop_reason(self.params, token, len(out.token_ids),
+                                 self.prompt_len + len(out.token_ids), eos_ids, max_model_len)
+            if reason is not None:
+                out.finish_reason = reason
+                return i + 1, reason
+        return len(tokens), None
+
+    def set_final(self, samples: list[tuple[list[int], FinishReason | None]]) -> None:
+        """The request's final samples, best first (beam search's hypotheses; parallel samples
+        by index), each with why it ended."""
+        self.outputs = [SampleOutput(i, list(ids), reason)
+                        for i, (ids, reason) in enumerate(samples)]
+
+    def append_token(self, token_id: int, eos_ids: set[int], max_model_len: int) -> bool:
+        """Rungs 0-2: commit one token of the only sample; return True if the request is now
+        finished."""
+        now = time.perf_counter()
+        _, reason = self.commit(0, [token_id], eos_ids, max_model_len, now)
         if reason is not None:
             self.finish(reason, now)
         return self.finished
@@ -255,6 +301,7 @@ class RequestOutput:
     # n > 1 / beam search: every sequence of the request, best first (``token_ids`` is the first)
     samples: list[list[int]] = field(default_factory=list)
     spec: SpecStats | None = None      # speculative decoding's counters (rung 6)
+    finish_reasons: list[FinishReason] = field(default_factory=list)   # one per sample
 
     @property
     def tpot_s(self) -> float | None:
@@ -273,4 +320,5 @@ class RequestOutput:
                 lat = req.finish_time - req.arrival_time
         return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                    req.finish_reason, req.error, ttft, lat, req.num_preemptions,
-                   [list(s) for s in req.samples] or [list(req.output_token_ids)], req.spec)
+                   [list(s) for s in req.samples], req.spec,
+                   [o.finish_reason or req.finish_reason for o in req.outputs])

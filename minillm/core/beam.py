@@ -9,7 +9,6 @@ with a block table and expensive with a contiguous cache.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +61,14 @@ def select_beams(group: SequenceGroup, eos_ids: set[int], max_model_len: int) ->
 
 
 def beam_step(group: SequenceGroup, bm: KVAllocator, eos_ids: set[int], max_model_len: int,
-              select=select_beams) -> None:
-    """Advance ``group``'s beams by one token once every beam has its log-probabilities.
-    ``select`` makes the choice (the visualizer passes one that replays a recorded search)."""
+              select=select_beams) -> list[tuple[Sequence, int]] | None:
+    """Advance ``group``'s beams by one token once every beam has its log-probabilities; return
+    the (beam, token) continuations for the scheduler to append (``Scheduler._land``), or None
+    while a beam still waits. ``select`` makes the choice (the visualizer passes one that
+    replays a recorded search)."""
     beams = group.seqs
     if any(b.pending_logprobs is None for b in beams):
-        return  # some beam is still being recomputed after a preemption
+        return None  # some beam is still being recomputed after a preemption
     choice = select(group, eos_ids, max_model_len)
     group.request.beam_choices.append(choice.to_list())
     gen_len = len(beams[0].output_token_ids) + 1
@@ -89,16 +90,17 @@ def beam_step(group: SequenceGroup, bm: KVAllocator, eos_ids: set[int], max_mode
         claimed.add(parent)
         new_beams.append((seq, tok, score))
     group.seqs = []
+    continuations = []
     for seq, tok, score in new_beams:
-        seq.token_ids.append(tok)
         seq.cum_logprob = score
         if choice.done:
-            add_hypothesis(group, seq.token_ids, score / gen_len, seq.prompt_len, FinishReason.LENGTH)
+            add_hypothesis(group, seq.token_ids + [tok], score / gen_len, seq.prompt_len,
+                           FinishReason.LENGTH)
             bm.free(seq)
         else:
             group.seqs.append(seq)
-    if group.request.first_token_time is None:
-        group.request.first_token_time = time.perf_counter()
+            continuations.append((seq, tok))
+    return continuations
 
 
 def add_hypothesis(group: SequenceGroup, tokens: list[int], score: float, prompt_len: int,

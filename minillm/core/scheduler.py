@@ -23,14 +23,13 @@ more blocks than the request was admitted with, and could never fit a tight pool
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from .allocator import KVAllocator
-from ..request import FinishReason, Request, RequestError, stop_reason
+from ..request import FinishReason, Request, RequestError
 from .beam import beam_step, select_beams
 from .sequence import Sequence, SequenceGroup
 
@@ -263,13 +262,13 @@ class Scheduler:
         for seq, kept in accepted.items():
             self._accept(seq, kept)
         for seq, token in tokens + [(s, kept[-1]) for s, kept in accepted.items()]:
-            self._append(seq, token)
+            self._land(seq, [token])
         for seq, logprobs in beam_logprobs:
             seq.pending_logprobs = logprobs
         finished = []
         for group in touched.values():
             if group.request.params.beam_width > 1:
-                beam_step(group, self.bm, self.eos_ids, self.max_model_len, self.select_beams)
+                self._advance_beams(group)
             if not group.seqs:
                 finished.append(self.finish_group(group))
         return finished
@@ -279,21 +278,31 @@ class Scheduler:
         the last kept token, which is the target's own and has no K/V yet), free the rest."""
         seq.spec_token_ids = []
         self.bm.truncate(seq, seq.num_tokens + len(kept) - 1)
-        for token in kept[:-1]:
-            self._append(seq, token)
+        self._land(seq, kept[:-1])      # none of them stops it: verify cut after the first stop
         self.bm.cache_full_blocks(seq)                  # full blocks of kept tokens only
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        req = seq.request
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
-        seq.token_ids.append(token)
-        if req.params.n == 1:   # keep the request's own view live (progress, abort, notebooks)
-            req.output_token_ids.append(token)
-        reason = stop_reason(req.params, token, len(seq.output_token_ids), seq.num_tokens,
-                             self.eos_ids, self.max_model_len)
-        if reason is not None:   # a finished sample leaves at once: its blocks free this step
-            group = self.groups[req.request_id]
+    def _advance_beams(self, group: SequenceGroup) -> None:
+        """One beam-search step (``beam.py``); its continuations land here, like any token."""
+        continuations = beam_step(group, self.bm, self.eos_ids, self.max_model_len,
+                                  self.select_beams)
+        if continuations is not None:
+            group.request.commit(None, (), self.eos_ids, self.max_model_len)   # first-token time
+            for seq, token in continuations:
+                self._land(seq, [token], beam=True)
+
+    def _land(self, seq: Sequence, tokens: list[int], beam: bool = False) -> None:
+        """The one place a step's tokens join a sequence: committed to its request's sample
+        (``Request.commit``: stop checks, first-token time), then to the sequence. A sample that
+        stops leaves at once, its blocks freed this step. A beam's tokens are the search's
+        state; they reach the request when the search ends (``finish_group``)."""
+        if beam:
+            seq.token_ids += tokens
+            return
+        landed, reason = seq.request.commit(seq.sample_id, tokens, self.eos_ids,
+                                            self.max_model_len)
+        seq.token_ids += tokens[:landed]
+        if reason is not None:
+            group = self.groups[seq.request.request_id]
             group.seqs.remove(seq)
             group.done_seqs.append(seq)
             seq.finish_reason = reason
@@ -311,8 +320,7 @@ class Scheduler:
         done = group.done_seqs + group.seqs
         self.finish(group)
         done.sort(key=(lambda s: -s.cum_logprob) if beams else (lambda s: s.sample_id))
-        req.samples = [list(s.output_token_ids) for s in done]
-        req.output_token_ids = list(req.samples[0])
+        req.set_final([(list(s.output_token_ids), s.finish_reason) for s in done])
         req.finish(reason or done[0].finish_reason)
         del self.groups[req.request_id]
         return req

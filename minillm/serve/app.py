@@ -222,9 +222,6 @@ class Answer:
     def __init__(self, llm: LLM, req: Request, stops: list[str], chat: bool, model: str):
         self.req, self.chat, self.model = req, chat, model
         self.return_token_ids = False
-        self.max_model_len = llm.model.max_model_len
-        p = req.params
-        self.stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else llm.model.eos_token_ids)
         self.detoks = [IncrementalDetokenizer(llm.tokenizer, stops) for _ in range(req.params.n)]
         self.finish: list[str | None] = [None] * req.params.n
         self.done, self.error = False, None
@@ -246,17 +243,15 @@ class Answer:
             self.done = True
             for i, d in enumerate(self.detoks):
                 if self.finish[i] is None:
-                    self.finish[i] = self._reason(d)
+                    self.finish[i] = self._reason(i)
                     deltas.append({"index": i, "text": d.flush(), "finish_reason": self.finish[i]})
         return deltas
 
-    def _reason(self, d: IncrementalDetokenizer) -> str:
-        n = len(d.token_ids)
-        if n and d.token_ids[-1] in self.stop_ids:   # a stop token as the last allowed one: stop
-            return "stop"
-        if n >= self.req.params.max_tokens or self.req.prompt_len + n >= self.max_model_len:
-            return "length"
-        return "abort" if self.req.finish_reason == FinishReason.ABORT else "stop"
+    def _reason(self, i: int) -> str:
+        """Why sample ``i`` ended, as the engine committed it (``Request.outputs``)."""
+        outputs = self.req.outputs
+        reason = (outputs[i].finish_reason if i < len(outputs) else None) or self.req.finish_reason
+        return reason.value
 
     @property
     def all_stopped(self) -> bool:

@@ -241,7 +241,7 @@ class EngineLoop:
             handle = self.handles.pop(req.request_id, None)
             if handle is None:
                 continue
-            new = self._new_tokens(handle, req.samples or [req.output_token_ids])
+            new = self._new_tokens(handle, req.samples)
             num_new += sum(map(len, new.values()))
             if new:
                 handle.push(Event("tokens", tokens=new))
@@ -251,15 +251,10 @@ class EngineLoop:
             handle.push(Event("done", request=req))
         self.metrics.observe_step(gaps, num_new)
 
-    def _live_samples(self, req: Request) -> list[list[int]]:
-        """Each sample's tokens so far, by sample index (n > 1: the scheduler's sequences)."""
-        if req.params.n == 1:
-            return [req.output_token_ids]
-        group = getattr(self.engine, "groups", {}).get(req.request_id)
-        if group is None:
-            return []
-        seqs = sorted(group.seqs + group.done_seqs, key=lambda s: s.sample_id)
-        return [s.output_token_ids for s in seqs]
+    @staticmethod
+    def _live_samples(req: Request) -> list[list[int]]:
+        """Each sample's tokens so far, by sample index (a beam search's: none until it ends)."""
+        return req.samples
 
     @staticmethod
     def _new_tokens(handle: Handle, samples: list[list[int]]) -> dict[int, list[int]]:
