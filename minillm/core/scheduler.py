@@ -233,18 +233,22 @@ class Scheduler:
     # --- committing a step (nano-vllm's Scheduler.postprocess) ---------------------------------
     def commit_computed(self, out: SchedulerOutput) -> None:
         """The forward pass wrote these tokens' K/V: count them, offer full blocks to the cache
-        (a block holding guesses is never offered: ``cache_full_blocks`` hashes tokens only)."""
+        (a block holding guesses is never offered: ``cache_full_blocks`` hashes tokens only),
+        and fork the n - 1 other samples of a request whose prompt is now computed."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                self.groups[seq.request.request_id].fork_samples(seq, self.bm)
 
     def rows_to_sample(self, reached: list[Sequence]) -> list[tuple[int, Sequence]]:
         """(logits row, sequence) pairs to sample: each sequence that reached its newest token,
-        plus, for an n > 1 request whose prompt is now computed, its n - 1 new forks (same row)."""
+        plus the samples just forked from it (same row: they share its prompt)."""
         rows = []
         for i, seq in enumerate(reached):
-            group = self.groups[seq.request.request_id]
-            rows += [(i, child) for child in group.fork_samples(seq, self.bm)]
+            if seq.num_tokens == seq.prompt_len and seq.request.params.n > 1:
+                group = self.groups[seq.request.request_id]
+                rows += [(i, c) for c in group.seqs if c is not seq and c.num_tokens == c.prompt_len]
             rows.append((i, seq))
         return rows
 
