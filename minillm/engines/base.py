@@ -68,7 +68,8 @@ class Engine:
     def add_request(self, req: Request) -> None:
         raise NotImplementedError
 
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
+        """One forward pass for whatever batch the engine picks (``step`` counts it)."""
         raise NotImplementedError
 
     def has_unfinished(self) -> bool:
@@ -103,6 +104,28 @@ class Engine:
         """None while the engine can serve; else why it never will again (a server answers
         /health with 503 and this reason). Safe to call from any thread."""
         return None
+
+    # --- the counters: the engine owns them, no driver writes them --------------------------------
+    def step(self) -> StepOutput:
+        """Run one step (``_step``) and count it: ``step_count`` in this run, ``total_steps`` ever."""
+        out = self._step()
+        self.step_count += 1
+        self.total_steps += 1
+        return out
+
+    def idle_step(self) -> StepOutput:
+        """A step of a step clock in which nothing runs (the visualizer's idle ticks): numbered
+        like any step (``step_count``), not one the engine ran (``total_steps``)."""
+        self.step_count += 1
+        return StepOutput()
+
+    def begin_run(self) -> None:
+        """A run starts (``Driver.run``): its steps count from 1."""
+        self.step_count = 0
+
+    def run_extra(self) -> dict:
+        """What this engine adds to a run's ``metrics.extra`` (rung 6: its speculation totals)."""
+        return {}
 
     # --- shared ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -194,7 +217,7 @@ class Engine:
     def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
              on_output: OnOutput | None) -> RunResult:
         t0 = time.perf_counter()
-        self.step_count = 0
+        self.begin_run()
         start = (self.num_preemptions, self.prefix_hit_tokens)
         pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
         done: dict[str, RequestOutput] = {}
@@ -225,8 +248,6 @@ class Engine:
                         time.sleep(max(0.0, pending[0].arrival_offset_s - (time.perf_counter() - t0)))
                     continue
                 out = self.step()
-                self.step_count += 1
-                self.total_steps += 1
                 for req in out.finished:
                     finish(self.make_output(req))
                 record = self.record(out, self.step_count, time.perf_counter() - t0, len(done),
@@ -239,6 +260,7 @@ class Engine:
         duration = time.perf_counter() - t0
         outputs = [done[r.request_id] for r in requests]
         metrics = summarize(self.name, outputs, steps, duration, self.model.kv_bytes_per_token)
+        metrics.extra.update(self.run_extra())
         return RunResult(outputs, metrics, steps)
 
 

@@ -210,7 +210,6 @@ class EngineLoop:
             return
         t1 = time.perf_counter()
         self.step_count += 1
-        self.engine.step_count = self.engine.total_steps = self.step_count
         self._publish(out)
         self.kv = self.engine.kv_counts()   # /metrics reads this copy, never the live engine
         for hook in self.on_step:

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import torch
 
 from ..engines.r5_allocators import ALLOCATORS, make_allocator
-from ..engines.base import StepOutput
 from ..core.beam import BeamChoice
 from ..core.engine import PagedEngine
 from ..core.runner import reaching_end, step_order
@@ -141,9 +140,8 @@ def simulate(requests: list[SimRequest], allocator: str = "paged", config: SimCo
             continue
         if len(steps) >= max_steps:
             raise RuntimeError(f"{allocator}: not done after {max_steps} steps")
-        out = engine.step() if engine.has_unfinished() else StepOutput()
+        out = engine.step() if engine.has_unfinished() else engine.idle_step()
         num_finished += len(out.finished)
-        engine.step_count += 1
         clock += 1
         steps.append(engine.record(out, engine.step_count, num_finished=num_finished))
         if cfg.keep_snapshots:

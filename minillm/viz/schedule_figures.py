@@ -27,7 +27,8 @@ def run_by_steps(llm, arrivals: list[tuple[int, Request]], on_step=None) -> list
     have run), not a second: the run is the same on every machine. Returns the StepRecords."""
     engine = llm.engine
     pending = sorted(arrivals, key=lambda a: a[0])
-    engine.step_count, done, records = 0, 0, []
+    engine.begin_run()
+    done, records = 0, []
     start = (engine.num_preemptions, engine.prefix_hit_tokens)
     try:
         while pending or engine.has_unfinished():
@@ -38,7 +39,6 @@ def run_by_steps(llm, arrivals: list[tuple[int, Request]], on_step=None) -> list
                 engine.add_request(req)
                 req.added_step = engine.step_count
             out = engine.step()
-            engine.step_count += 1
             done += len(out.finished)
             records.append(engine.record(out, engine.step_count, num_finished=done, start=start))
             if on_step is not None:

@@ -133,14 +133,15 @@ class SpeculativeEngine(PagedEngine):
                                      stats.num_emitted))
 
     # --- runs -------------------------------------------------------------------------------------
-    def run(self, requests, on_step=None, progress=False, on_output=None):
-        """``Engine.run``, with this run's speculation totals in ``metrics.extra["speculative"]``."""
+    def begin_run(self) -> None:
+        super().begin_run()
         self.run_stats = SpecStats()
-        result = super().run(requests, on_step, progress, on_output)
-        result.metrics.extra["speculative"] = {"method": self.config.method,
-                                               "k": self.config.num_speculative_tokens,
-                                               **self.run_stats.as_dict()}
-        return result
+
+    def run_extra(self) -> dict:
+        """This run's speculation totals, as ``metrics.extra["speculative"]``."""
+        return {"speculative": {"method": self.config.method,
+                                "k": self.config.num_speculative_tokens,
+                                **self.run_stats.as_dict()}}
 
     def reset(self) -> list[Request]:
         dropped = super().reset()
