@@ -1,16 +1,19 @@
-"""The interface every step implements, and the one run loop they all share.
+"""The interface every engine implements.
 
 An engine is driven one *step* at a time (one forward pass of the model, for whatever batch the
-engine chose). ``Engine.run`` feeds requests in as their arrival time comes, calls ``step`` until
-everything is done, records a ``StepRecord`` per step and returns outputs plus metrics. Engines
-differ only in ``add_request``/``step`` and in how they lay out KV memory (``kv_counts``/``snapshot``).
+engine chose). Engines differ only in ``add_request``/``_step`` and in how they lay out KV memory
+(``kv_counts``/``snapshot``). ``step`` is the same for all: it runs ``_step`` and counts it, so
+the engine owns its counters (``step_count`` for this run, ``total_steps`` ever) and no caller
+writes them. Nothing here loops: ``Engine.run`` hands its requests to the one run loop,
+``driver.Driver`` (on a ``WallClock``), which also drives the visualizer's replays and the
+server; it stamps arrivals, calls ``step`` until everything is done, records a ``StepRecord``
+per step and returns outputs plus metrics.
 """
 from __future__ import annotations
 
 import numbers
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,14 +21,15 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from ..memory import KVCounts, MemorySnapshot, rectangle_counts, rectangle_snapshot
-from ..metrics import RunMetrics, StepRecord, summarize
+from ..metrics import StepRecord
 from ..models import LoadedModel
-from ..request import FinishReason, Request, RequestError, RequestOutput
+from ..request import Request, RequestError, RequestOutput
+from .driver import Driver, RunResult, ScheduledArrivals, WallClock  # noqa: F401 (RunResult: API)
 
 
 @dataclass
 class StepOutput:
-    """What one engine step did; ``Engine.run`` adds timing and memory to make a StepRecord."""
+    """What one engine step did; ``Engine.record`` adds timing and memory to make a StepRecord."""
 
     finished: list[Request] = field(default_factory=list)
     prefill_ms: float = 0.0
@@ -33,13 +37,6 @@ class StepOutput:
     batch_size: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-
-
-@dataclass
-class RunResult:
-    outputs: list[RequestOutput]
-    metrics: RunMetrics
-    steps: list[StepRecord]
 
 
 OnStep = Callable[[MemorySnapshot, StepRecord], None]
@@ -175,15 +172,27 @@ class Engine:
         clean for the next call. Calls from several threads are served one after another.
         """
         self.check_new_requests(requests)
+
+        def output(out: RequestOutput) -> None:
+            bar.update(1)
+            if on_output is not None:
+                on_output(out)
+
+        def stepped(out: StepOutput, record: StepRecord) -> None:
+            on_step(self.snapshot(), record)
+
+        arrivals = ScheduledArrivals([(r.arrival_offset_s, r) for r in requests])
         with self.exclusive():
+            bar = tqdm(total=len(requests), desc=self.name, unit="req", disable=not progress,
+                       leave=False)
             try:
-                return self._run(requests, on_step, progress, on_output)
-            except BaseException:
-                self.reset()
-                for req in requests:
-                    if not req.finished:
-                        req.finish(FinishReason.ABORT)
-                raise
+                result = Driver(self, WallClock(), arrivals, on_output=output, keep_outputs=True,
+                                on_step=None if on_step is None else stepped).run()
+            finally:
+                bar.close()
+        by_id = {o.request_id: o for o in result.outputs}
+        result.outputs = [by_id[r.request_id] for r in requests]     # in the caller's order
+        return result
 
     @staticmethod
     def check_new_requests(requests: list[Request]) -> None:
@@ -213,56 +222,6 @@ class Engine:
                 yield
             finally:
                 self._run_thread = None
-
-    def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
-             on_output: OnOutput | None) -> RunResult:
-        t0 = time.perf_counter()
-        self.begin_run()
-        start = (self.num_preemptions, self.prefix_hit_tokens)
-        pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
-        done: dict[str, RequestOutput] = {}
-        steps: list[StepRecord] = []
-        bar = tqdm(total=len(requests), desc=self.name, unit="req", disable=not progress, leave=False)
-
-        def finish(out: RequestOutput):
-            done[out.request_id] = out
-            bar.update(1)
-            if on_output is not None:
-                on_output(out)
-
-        try:
-            while pending or self.has_unfinished():
-                now = time.perf_counter()
-                while pending and pending[0].arrival_offset_s <= now - t0:
-                    req = pending.popleft()
-                    req.arrival_time = t0 + req.arrival_offset_s
-                    try:
-                        self.validate(req)
-                        self.add_request(req)
-                        req.added_step = self.step_count
-                    except RequestError as e:
-                        req.finish(FinishReason.ERROR, error=str(e))
-                        finish(RequestOutput.from_request(req))
-                if not self.has_unfinished():
-                    if pending:  # idle until the next arrival
-                        time.sleep(max(0.0, pending[0].arrival_offset_s - (time.perf_counter() - t0)))
-                    continue
-                out = self.step()
-                for req in out.finished:
-                    finish(self.make_output(req))
-                record = self.record(out, self.step_count, time.perf_counter() - t0, len(done),
-                                     start)
-                steps.append(record)
-                if on_step is not None:
-                    on_step(self.snapshot(), record)
-        finally:
-            bar.close()
-        duration = time.perf_counter() - t0
-        outputs = [done[r.request_id] for r in requests]
-        metrics = summarize(self.name, outputs, steps, duration, self.model.kv_bytes_per_token)
-        metrics.extra.update(self.run_extra())
-        return RunResult(outputs, metrics, steps)
-
 
     def record(self, out: StepOutput, step: int, time_s: float = 0.0, num_finished: int = 0,
                start: tuple[int, int] = (0, 0)) -> StepRecord:
