@@ -102,9 +102,9 @@ class Engine:
         /health with 503 and this reason). Safe to call from any thread."""
         return None
 
-    # --- the counters: the engine owns them, no driver writes them --------------------------------
+    # --- the counters: the engine owns them, no driver writes them ------------------------------
     def step(self) -> StepOutput:
-        """Run one step (``_step``) and count it: ``step_count`` in this run, ``total_steps`` ever."""
+        """One step (``_step``), counted: ``step_count`` in this run, ``total_steps`` ever."""
         out = self._step()
         self.step_count += 1
         self.total_steps += 1
@@ -225,8 +225,8 @@ class Engine:
 
     def record(self, out: StepOutput, step: int, time_s: float = 0.0, num_finished: int = 0,
                start: tuple[int, int] = (0, 0)) -> StepRecord:
-        """The ``StepRecord`` of a step that just ran (``run`` and the visualizer's replays both
-        record steps here). ``start``: the preemption and prefix-hit counters when the run began."""
+        """The ``StepRecord`` of a step that just ran (the ``Driver`` records every step here).
+        ``start``: the preemption and prefix-hit counters when the run began."""
         return StepRecord(
             step=step, time_s=time_s, prefill_ms=out.prefill_ms, decode_ms=out.decode_ms,
             batch_size=out.batch_size, num_prefill_tokens=out.num_prefill_tokens,

@@ -1,4 +1,4 @@
-"""The one run loop: every caller that drives an engine drives it through a ``Driver`` (notebook 02).
+"""The one run loop: every caller that drives an engine goes through a ``Driver`` (notebook 02).
 
 A ``Driver`` does three things, each in one place:
 - ``admit``: requests whose time has come are stamped (``arrival_time``; ``added_step`` = the
@@ -12,12 +12,13 @@ A ``Driver`` does three things, each in one place:
 Callers differ only in *when* requests arrive and in what idle time is, so that is what they
 plug in: a clock and a source of arrivals.
 
-| caller | clock | arrivals |
-|---|---|---|
-| ``Engine.run`` / ``LLM.run`` | ``WallClock``: sleep until the next arrival | ``ScheduledArrivals`` (``arrival_offset_s``) |
-| ``viz.replay.simulate`` (notebook 05) | ``StepClock("tick")`` or ``StepClock("jump")`` | ``ScheduledArrivals`` (``arrival_step``) |
-| ``viz.schedule_figures.run_by_steps`` (notebook 03) | ``StepClock("admit")`` | ``ScheduledArrivals`` (step) |
-| ``serve.loop.EngineLoop`` | ``WallClock``: wait on the inbox | ``InboxArrivals`` (the handlers' queue) |
+- ``Engine.run`` / ``LLM.run``: a ``WallClock`` (idle: sleep until the next arrival) and
+  ``ScheduledArrivals`` at each request's ``arrival_offset_s``;
+- ``viz.replay.simulate`` (notebook 05): a ``StepClock("tick")`` or ``StepClock("jump")`` and
+  ``ScheduledArrivals`` at each request's ``arrival_step``;
+- ``viz.schedule_figures.run_by_steps`` (notebook 03): a ``StepClock("admit")``;
+- ``serve.loop.EngineLoop``: a ``WallClock`` (idle: wait on the inbox) and ``InboxArrivals``,
+  the handlers' thread-safe queue.
 
 The engine owns its counters (``Engine.step`` counts ``step_count`` and ``total_steps``): a driver
 reads them and never writes them.
@@ -49,7 +50,7 @@ class RunResult:
     steps: list[StepRecord]
 
 
-# --- arrivals --------------------------------------------------------------------------------------
+# --- arrivals -------------------------------------------------------------------------------------
 class Arrivals(Protocol):
     def __bool__(self) -> bool: ...                 # more may still arrive
     def next_at(self) -> float | None: ...          # the next arrival's time (None: unknown)
@@ -119,7 +120,7 @@ class InboxArrivals:
         return []                    # the owner of the inbox answers for what is still in it
 
 
-# --- clocks ----------------------------------------------------------------------------------------
+# --- clocks ---------------------------------------------------------------------------------------
 class Clock(Protocol):
     def now(self, engine: Engine) -> float: ...               # in the arrivals' unit
     def elapsed(self) -> float: ...                           # StepRecord.time_s, run duration
@@ -180,7 +181,7 @@ class StepClock:
         return self.mode
 
 
-# --- the driver ------------------------------------------------------------------------------------
+# --- the driver -----------------------------------------------------------------------------------
 class Driver:
     """Drives ``engine`` through the requests of ``arrivals`` on ``clock`` (see the module).
 

@@ -53,7 +53,7 @@ class SpeculativeEngine(PagedEngine):
             proposer = DraftModelProposer(self.runner, cfg.layers_for(len(self.runner.net.layers)),
                                           self.block_manager.num_blocks)
         self.proposer = proposer
-        self.run_stats = SpecStats()     # this run's totals (``run`` reports them)
+        self.run_stats = SpecStats()     # this run's totals (``run_extra`` reports them)
         # Notebook 06: set ``trace = []`` to record each verification (guesses, kept tokens) and,
         # in ``verify_snapshots``, the pool at each step's fullest (before the rollback).
         self.trace: list[dict] | None = None
