@@ -148,7 +148,7 @@ class PagedEngine(Engine):
         return dropped
 
     # --- one step ---------------------------------------------------------------------------------
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
         out = self._take_aborted()
         self.propose()
         sched = self.scheduler.schedule()

@@ -1,16 +1,19 @@
-"""The interface every step implements, and the one run loop they all share.
+"""The interface every engine implements.
 
 An engine is driven one *step* at a time (one forward pass of the model, for whatever batch the
-engine chose). ``Engine.run`` feeds requests in as their arrival time comes, calls ``step`` until
-everything is done, records a ``StepRecord`` per step and returns outputs plus metrics. Engines
-differ only in ``add_request``/``step`` and in how they lay out KV memory (``kv_counts``/``snapshot``).
+engine chose). Engines differ only in ``add_request``/``_step`` and in how they lay out KV memory
+(``kv_counts``/``snapshot``). ``step`` is the same for all: it runs ``_step`` and counts it, so
+the engine owns its counters (``step_count`` for this run, ``total_steps`` ever) and no caller
+writes them. Nothing here loops: ``Engine.run`` hands its requests to the one run loop,
+``driver.Driver`` (on a ``WallClock``), which also drives the visualizer's replays and the
+server; it stamps arrivals, calls ``step`` until everything is done, records a ``StepRecord``
+per step and returns outputs plus metrics.
 """
 from __future__ import annotations
 
 import numbers
 import threading
 import time
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,14 +21,15 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from ..memory import KVCounts, MemorySnapshot, rectangle_counts, rectangle_snapshot
-from ..metrics import RunMetrics, StepRecord, summarize
+from ..metrics import StepRecord
 from ..models import LoadedModel
-from ..request import FinishReason, Request, RequestError, RequestOutput
+from ..request import Request, RequestError, RequestOutput
+from .driver import Driver, RunResult, ScheduledArrivals, WallClock  # noqa: F401 (RunResult: API)
 
 
 @dataclass
 class StepOutput:
-    """What one engine step did; ``Engine.run`` adds timing and memory to make a StepRecord."""
+    """What one engine step did; ``Engine.record`` adds timing and memory to make a StepRecord."""
 
     finished: list[Request] = field(default_factory=list)
     prefill_ms: float = 0.0
@@ -33,13 +37,6 @@ class StepOutput:
     batch_size: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-
-
-@dataclass
-class RunResult:
-    outputs: list[RequestOutput]
-    metrics: RunMetrics
-    steps: list[StepRecord]
 
 
 OnStep = Callable[[MemorySnapshot, StepRecord], None]
@@ -68,7 +65,8 @@ class Engine:
     def add_request(self, req: Request) -> None:
         raise NotImplementedError
 
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
+        """One forward pass for whatever batch the engine picks (``step`` counts it)."""
         raise NotImplementedError
 
     def has_unfinished(self) -> bool:
@@ -103,6 +101,28 @@ class Engine:
         """None while the engine can serve; else why it never will again (a server answers
         /health with 503 and this reason). Safe to call from any thread."""
         return None
+
+    # --- the counters: the engine owns them, no driver writes them ------------------------------
+    def step(self) -> StepOutput:
+        """One step (``_step``), counted: ``step_count`` in this run, ``total_steps`` ever."""
+        out = self._step()
+        self.step_count += 1
+        self.total_steps += 1
+        return out
+
+    def idle_step(self) -> StepOutput:
+        """A step of a step clock in which nothing runs (the visualizer's idle ticks): numbered
+        like any step (``step_count``), not one the engine ran (``total_steps``)."""
+        self.step_count += 1
+        return StepOutput()
+
+    def begin_run(self) -> None:
+        """A run starts (``Driver.run``): its steps count from 1."""
+        self.step_count = 0
+
+    def run_extra(self) -> dict:
+        """What this engine adds to a run's ``metrics.extra`` (rung 6: its speculation totals)."""
+        return {}
 
     # --- shared ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -152,15 +172,27 @@ class Engine:
         clean for the next call. Calls from several threads are served one after another.
         """
         self.check_new_requests(requests)
+
+        def output(out: RequestOutput) -> None:
+            bar.update(1)
+            if on_output is not None:
+                on_output(out)
+
+        def stepped(out: StepOutput, record: StepRecord) -> None:
+            on_step(self.snapshot(), record)
+
+        arrivals = ScheduledArrivals([(r.arrival_offset_s, r) for r in requests])
         with self.exclusive():
+            bar = tqdm(total=len(requests), desc=self.name, unit="req", disable=not progress,
+                       leave=False)
             try:
-                return self._run(requests, on_step, progress, on_output)
-            except BaseException:
-                self.reset()
-                for req in requests:
-                    if not req.finished:
-                        req.finish(FinishReason.ABORT)
-                raise
+                result = Driver(self, WallClock(), arrivals, on_output=output, keep_outputs=True,
+                                on_step=None if on_step is None else stepped).run()
+            finally:
+                bar.close()
+        by_id = {o.request_id: o for o in result.outputs}
+        result.outputs = [by_id[r.request_id] for r in requests]     # in the caller's order
+        return result
 
     @staticmethod
     def check_new_requests(requests: list[Request]) -> None:
@@ -191,61 +223,10 @@ class Engine:
             finally:
                 self._run_thread = None
 
-    def _run(self, requests: list[Request], on_step: OnStep | None, progress: bool,
-             on_output: OnOutput | None) -> RunResult:
-        t0 = time.perf_counter()
-        self.step_count = 0
-        start = (self.num_preemptions, self.prefix_hit_tokens)
-        pending = deque(sorted(requests, key=lambda r: r.arrival_offset_s))
-        done: dict[str, RequestOutput] = {}
-        steps: list[StepRecord] = []
-        bar = tqdm(total=len(requests), desc=self.name, unit="req", disable=not progress, leave=False)
-
-        def finish(out: RequestOutput):
-            done[out.request_id] = out
-            bar.update(1)
-            if on_output is not None:
-                on_output(out)
-
-        try:
-            while pending or self.has_unfinished():
-                now = time.perf_counter()
-                while pending and pending[0].arrival_offset_s <= now - t0:
-                    req = pending.popleft()
-                    req.arrival_time = t0 + req.arrival_offset_s
-                    try:
-                        self.validate(req)
-                        self.add_request(req)
-                        req.added_step = self.step_count
-                    except RequestError as e:
-                        req.finish(FinishReason.ERROR, error=str(e))
-                        finish(RequestOutput.from_request(req))
-                if not self.has_unfinished():
-                    if pending:  # idle until the next arrival
-                        time.sleep(max(0.0, pending[0].arrival_offset_s - (time.perf_counter() - t0)))
-                    continue
-                out = self.step()
-                self.step_count += 1
-                self.total_steps += 1
-                for req in out.finished:
-                    finish(self.make_output(req))
-                record = self.record(out, self.step_count, time.perf_counter() - t0, len(done),
-                                     start)
-                steps.append(record)
-                if on_step is not None:
-                    on_step(self.snapshot(), record)
-        finally:
-            bar.close()
-        duration = time.perf_counter() - t0
-        outputs = [done[r.request_id] for r in requests]
-        metrics = summarize(self.name, outputs, steps, duration, self.model.kv_bytes_per_token)
-        return RunResult(outputs, metrics, steps)
-
-
     def record(self, out: StepOutput, step: int, time_s: float = 0.0, num_finished: int = 0,
                start: tuple[int, int] = (0, 0)) -> StepRecord:
-        """The ``StepRecord`` of a step that just ran (``run`` and the visualizer's replays both
-        record steps here). ``start``: the preemption and prefix-hit counters when the run began."""
+        """The ``StepRecord`` of a step that just ran (the ``Driver`` records every step here).
+        ``start``: the preemption and prefix-hit counters when the run began."""
         return StepRecord(
             step=step, time_s=time_s, prefill_ms=out.prefill_ms, decode_ms=out.decode_ms,
             batch_size=out.batch_size, num_prefill_tokens=out.num_prefill_tokens,

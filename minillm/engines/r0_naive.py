@@ -52,7 +52,7 @@ class NaiveEngine(ContiguousEngine):
         return dropped
 
     @torch.inference_mode()
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
         prefill = self.current is None
         if prefill:
             self.current, self.cache = self.waiting.popleft(), DynamicCache()

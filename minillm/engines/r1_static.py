@@ -52,7 +52,7 @@ class StaticBatchEngine(ContiguousEngine):
         return dropped
 
     @torch.inference_mode()
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
         if not self.batch:
             return self._prefill()
         return self._decode()

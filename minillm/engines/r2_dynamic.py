@@ -79,7 +79,7 @@ class DynamicBatchEngine(ContiguousEngine):
         return True
 
     @torch.inference_mode()
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
         out = StepOutput(finished=self.aborted)
         self.aborted = []
         self._admit(out)          # newcomers: prefill, then take holes or new rows

@@ -3,10 +3,12 @@
 This is continuous batching as a server does it (notebook 02 teaches the idea offline): requests
 arrive whenever clients send them, and each one joins the running batch at the *next* engine step.
 The engine is not thread-safe and need not be: only the loop thread touches it. Handlers (on the
-asyncio event loop) put ``("add", handle)`` and ``("abort", id)`` into a thread-safe inbox; the
-loop thread drains the inbox between steps, runs ``engine.step()``, and hands each request's new
-token ids (and finally its ``Request``) back to that request's ``asyncio.Queue`` with
-``call_soon_threadsafe``, the one safe way to wake an event loop from another thread.
+asyncio event loop) put ``("add", (at, request))`` and ``("abort", id)`` into a thread-safe inbox;
+the loop thread runs the one driver (``engines.driver.Driver`` on a ``WallClock``, the inbox as
+its ``InboxArrivals``), which drains the inbox between steps and runs ``engine.step()``; after each
+step the loop hands each request's new token ids (and finally its ``Request``) back to that
+request's ``asyncio.Queue`` with ``call_soon_threadsafe``, the one safe way to wake an event loop
+from another thread.
 
 Guarantees: every accepted request gets exactly one final event (``done`` or ``error``); an abort
 frees the request's KV blocks at once (``PagedEngine.abort``); at most ``max_waiting`` requests wait
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engines.base import Engine, StepOutput
+from ..engines.driver import Driver, InboxArrivals, WallClock
+from ..metrics import StepRecord
 from ..request import Request, RequestError, RequestOutput
 from .metrics import ServerMetrics
 
@@ -81,17 +85,26 @@ class EngineLoop:
         self.metrics = metrics or ServerMetrics(engine.model.name)
         self.max_waiting = max_waiting
         self.on_step: list[OnStep] = []          # called on the loop thread after each step
-        self.handles: dict[str, Handle] = {}     # loop thread only
-        self.step_count = 0
+        self.handles: dict[str, Handle] = {}     # in the engine, by request id (loop thread only)
         self.num_engine_errors = 0
         self.engine_step_s = 0.0                 # seconds inside engine.step()
         self.overhead_s = 0.0                    # seconds of the loop's own work after steps
         self.kv = engine.kv_counts()             # after the latest step (for /metrics)
         self._inbox: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()            # guards _pending (handlers vs. the loop)
-        self._pending = 0                        # submitted, not yet added to the engine
+        self._lock = threading.Lock()            # guards _arriving (handlers vs. the loop)
+        self._arriving: dict[int, Handle] = {}   # submitted, not yet in the engine: id(request)
         self._stop = threading.Event()
+        self._clock = WallClock()                # arrival times: seconds since the loop was made
+        self._driver = Driver(engine, self._clock, InboxArrivals(self._inbox, self._apply),
+                              validate=False, rejects=(Exception,), on_reject=self._rejected,
+                              on_admit=self._admitted, on_step=self._stepped,
+                              on_error=self._step_failed, keep_steps=False)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    @property
+    def step_count(self) -> int:
+        """Steps the engine ran (it counts them itself)."""
+        return self.engine.total_steps
 
     # --- the handlers' side (any thread; ``submit`` on the event loop) ---------------------------
     def start(self) -> "EngineLoop":
@@ -108,17 +121,17 @@ class EngineLoop:
         if (why := self.engine.health_error()) is not None:
             raise EngineFailed(why)
         handle = Handle(req, asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:   # the loop's last drain takes this lock too: no request is left behind
+        with self._lock:   # the loop's shutdown takes this lock too: no request is left behind
             if self._stop.is_set():
                 raise ShuttingDown("the server is shutting down")
-            waiting = self._pending + self.engine.num_waiting()
+            waiting = len(self._arriving) + self.engine.num_waiting()
             if waiting >= self.max_waiting:
                 self.metrics.rejected += 1
                 raise QueueFull(f"{waiting} requests are already waiting (max_waiting="
                                 f"{self.max_waiting}): try again later")
-            self._pending += 1
-            req.arrival_time = time.perf_counter()
-            self._inbox.put(("add", handle))
+            self._arriving[id(req)] = handle
+            # the driver stamps ``arrival_time`` on admission, from the time it was sent here
+            self._inbox.put(("add", (self._clock.now(), req)))
         self.metrics.observe_accepted(req.prompt_len)
         return handle.queue
 
@@ -132,7 +145,7 @@ class EngineLoop:
         self._inbox.put(("call", fn))
 
     def num_waiting(self) -> int:
-        return self._pending + self.engine.num_waiting()
+        return len(self._arriving) + self.engine.num_waiting()
 
     def num_running(self) -> int:
         return self.engine.num_running()
@@ -157,38 +170,13 @@ class EngineLoop:
     def _main(self) -> None:
         with self.engine.exclusive():    # an offline run() from another thread waits for us
             try:
-                while not self._stop.is_set():
-                    self._drain_inbox(block=not self.engine.has_unfinished())
-                    if self.engine.has_unfinished() and not self._stop.is_set():
-                        self._step()
+                self._driver.run(until=self._stop.is_set)
             finally:
-                self._fail_all("the server is shutting down", drain_inbox=True)
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+                self._fail_all("the server is shutting down", shutting_down=True)
 
     def _apply(self, op: str, arg) -> None:
-        if op == "add":
-            with self._lock:
-                self._pending -= 1
-            try:
-                self.engine.add_request(arg.request)
-            except Exception as e:  # noqa: BLE001 - e.g. an id already in flight: this one fails
-                arg.push(Event("error", error=str(e) if isinstance(e, RequestError) else
-                               f"engine error: {type(e).__name__}: {e}"))
-                return
-            arg.request.added_step = self.step_count
-            self.handles[arg.request.request_id] = arg
-        elif op == "abort":
+        """An inbox item other than an add, on the loop thread between two steps."""
+        if op == "abort":
             try:
                 self.engine.abort(arg)   # False if it already finished: nothing to do
             except Exception:  # noqa: BLE001 - the request then simply runs to its end
@@ -199,20 +187,27 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a dashboard bug must not stop serving
                 log.exception("call_soon callback failed")
 
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            out = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - one bad step must not take the server down
-            log.exception("engine step failed")
-            self.num_engine_errors += 1
-            self._fail_all(f"engine error: {type(e).__name__}: {e}")
-            return
-        t1 = time.perf_counter()
-        self.step_count += 1
-        self.engine.step_count = self.engine.total_steps = self.step_count
+    def _handle(self, req: Request) -> Handle:
+        with self._lock:
+            return self._arriving.pop(id(req))
+
+    def _admitted(self, req: Request) -> None:
+        self.handles[req.request_id] = self._handle(req)
+
+    def _rejected(self, req: Request, e: Exception) -> None:
+        """``add_request`` raised (e.g. an id already in flight): only this request fails."""
+        self._handle(req).push(Event("error", error=str(e) if isinstance(e, RequestError) else
+                                     f"engine error: {type(e).__name__}: {e}"))
+
+    def _step_failed(self, e: Exception) -> None:
+        log.exception("engine step failed", exc_info=e)
+        self.num_engine_errors += 1
+        self._fail_all(f"engine error: {type(e).__name__}: {e}")
+
+    def _stepped(self, out: StepOutput, record: StepRecord) -> None:
+        t0, t1 = self._driver.step_time
         self._publish(out)
-        self.kv = self.engine.kv_counts()   # /metrics reads this copy, never the live engine
+        self.kv = record.kv   # /metrics reads this copy, never the live engine
         for hook in self.on_step:
             try:
                 hook(self, out)
@@ -266,26 +261,19 @@ class EngineLoop:
                 handle.sent[i] = len(ids)
         return new
 
-    def _fail_all(self, message: str, drain_inbox: bool = False) -> None:
+    def _fail_all(self, message: str, shutting_down: bool = False) -> None:
         """End every request in flight with ``message`` and give all KV memory back; at shutdown
-        (``drain_inbox``) also those submitted but never added."""
+        also those submitted but never added (still in the inbox)."""
         try:
             self.engine.reset()
         except Exception:  # noqa: BLE001 - still tell every client
             log.exception("engine reset failed")
         self.kv = self.engine.kv_counts()
-        handles, self.handles = self.handles, {}
-        if drain_inbox:
+        handles, self.handles = list(self.handles.values()), {}
+        if shutting_down:
             with self._lock:   # ``submit`` checks the stop flag under this lock: none come later
                 self._stop.set()
-        while drain_inbox:
-            try:
-                op, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if op == "add":
-                with self._lock:
-                    self._pending -= 1
-                handles[arg.request.request_id] = arg
-        for handle in handles.values():
+                handles += self._arriving.values()
+                self._arriving.clear()
+        for handle in handles:
             handle.push(Event("error", error=message))

@@ -14,19 +14,18 @@ numbers, and the three allocators differ in memory only.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
+from ..engines.driver import Driver, ScheduledArrivals, StepClock
 from ..engines.r5_allocators import ALLOCATORS, make_allocator
-from ..engines.base import StepOutput
 from ..core.beam import BeamChoice
 from ..core.engine import PagedEngine
 from ..core.runner import reaching_end, step_order
 from ..core.sequence import Sequence
-from ..request import Request, RequestError, SamplingParams
+from ..request import Request, SamplingParams
 from ..workload import SimRequest
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
 
@@ -112,7 +111,7 @@ def simulate(requests: list[SimRequest], allocator: str = "paged", config: SimCo
              max_steps: int = 100_000) -> SimResult:
     """Serve ``requests`` under ``allocator``; one ``StepRecord`` (and snapshot) per engine step.
 
-    Like ``Engine.run`` but on a clock of steps: before each step, every request whose
+    The one driver (``engines.driver``) on a clock of steps: before each step, every request whose
     ``arrival_step`` has come is added (in list order among equals); one the engine would reject
     (it could never fit the memory alone) is rejected. With ``config.idle_steps`` an empty system
     still ticks (synthetic timelines where arrival steps are clock time); without it, like the
@@ -123,31 +122,15 @@ def simulate(requests: list[SimRequest], allocator: str = "paged", config: SimCo
     cfg = config or SimConfig()
     sims = {r.request_id: r for r in requests}
     engine = replay_engine(cfg, allocator, sims)
-    pending = deque(sorted(requests, key=lambda r: r.arrival_step))
-    steps, snaps, rejected, num_finished = [], [], [], 0
-    clock = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0].arrival_step <= clock:
-            req = as_request(pending.popleft())
-            try:
-                if cfg.validate or allocator != "paged":   # a trace's paged run accepted all
-                    engine.validate(req)
-                engine.add_request(req)
-            except RequestError:
-                rejected.append(req.request_id)
-        if not engine.has_unfinished() and (not pending or not cfg.idle_steps):
-            if pending:
-                clock = pending[0].arrival_step
-            continue
-        if len(steps) >= max_steps:
-            raise RuntimeError(f"{allocator}: not done after {max_steps} steps")
-        out = engine.step() if engine.has_unfinished() else StepOutput()
-        num_finished += len(out.finished)
-        engine.step_count += 1
-        clock += 1
-        steps.append(engine.record(out, engine.step_count, num_finished=num_finished))
-        if cfg.keep_snapshots:
-            snaps.append(engine.snapshot())
+    snaps, rejected = [], []
+    driver = Driver(engine, StepClock("tick" if cfg.idle_steps else "jump"),
+                    ScheduledArrivals([(r.arrival_step, as_request(r)) for r in requests]),
+                    validate=cfg.validate or allocator != "paged",   # a trace's paged run took all
+                    on_reject=lambda req, e: rejected.append(req.request_id),
+                    on_step=(lambda out, rec: snaps.append(engine.snapshot()))
+                    if cfg.keep_snapshots else None,
+                    max_steps=max_steps)
+    steps = driver.run().steps
     return SimResult(allocator, cfg, steps, snaps, len(requests), rejected)
 
 

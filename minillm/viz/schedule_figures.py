@@ -8,13 +8,13 @@ what the engine did (``StepRecord``s, snapshots).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ..engines.driver import Driver, ScheduledArrivals, StepClock
 from ..memory import MemorySnapshot
 from ..metrics import StepRecord
 from ..request import Request
@@ -26,27 +26,10 @@ def run_by_steps(llm, arrivals: list[tuple[int, Request]], on_step=None) -> list
     """Like ``LLM.run`` but each request arrives at an engine *step* (added once that many steps
     have run), not a second: the run is the same on every machine. Returns the StepRecords."""
     engine = llm.engine
-    pending = sorted(arrivals, key=lambda a: a[0])
-    engine.step_count, done, records = 0, 0, []
-    start = (engine.num_preemptions, engine.prefix_hit_tokens)
-    try:
-        while pending or engine.has_unfinished():
-            while pending and (pending[0][0] <= engine.step_count or not engine.has_unfinished()):
-                req = pending.pop(0)[1]
-                req.arrival_time = time.perf_counter()
-                engine.validate(req)
-                engine.add_request(req)
-                req.added_step = engine.step_count
-            out = engine.step()
-            engine.step_count += 1
-            done += len(out.finished)
-            records.append(engine.record(out, engine.step_count, num_finished=done, start=start))
-            if on_step is not None:
-                on_step(engine.snapshot(), records[-1])
-    except BaseException:
-        engine.reset()
-        raise
-    return records
+    stepped = None if on_step is None else lambda out, record: on_step(engine.snapshot(), record)
+    driver = Driver(engine, StepClock("admit"), ScheduledArrivals(arrivals), on_step=stepped,
+                    rejects=())                   # a request that can never run: its error, raised
+    return driver.run().steps
 
 
 def prefill_decode_figure(records: list[StepRecord], snapshots: list[MemorySnapshot] | None = None,

@@ -53,7 +53,7 @@ class SpeculativeEngine(PagedEngine):
             proposer = DraftModelProposer(self.runner, cfg.layers_for(len(self.runner.net.layers)),
                                           self.block_manager.num_blocks)
         self.proposer = proposer
-        self.run_stats = SpecStats()     # this run's totals (``run`` reports them)
+        self.run_stats = SpecStats()     # this run's totals (``run_extra`` reports them)
         # Notebook 06: set ``trace = []`` to record each verification (guesses, kept tokens) and,
         # in ``verify_snapshots``, the pool at each step's fullest (before the rollback).
         self.trace: list[dict] | None = None
@@ -133,14 +133,15 @@ class SpeculativeEngine(PagedEngine):
                                      stats.num_emitted))
 
     # --- runs -------------------------------------------------------------------------------------
-    def run(self, requests, on_step=None, progress=False, on_output=None):
-        """``Engine.run``, with this run's speculation totals in ``metrics.extra["speculative"]``."""
+    def begin_run(self) -> None:
+        super().begin_run()
         self.run_stats = SpecStats()
-        result = super().run(requests, on_step, progress, on_output)
-        result.metrics.extra["speculative"] = {"method": self.config.method,
-                                               "k": self.config.num_speculative_tokens,
-                                               **self.run_stats.as_dict()}
-        return result
+
+    def run_extra(self) -> dict:
+        """This run's speculation totals, as ``metrics.extra["speculative"]``."""
+        return {"speculative": {"method": self.config.method,
+                                "k": self.config.num_speculative_tokens,
+                                **self.run_stats.as_dict()}}
 
     def reset(self) -> list[Request]:
         dropped = super().reset()

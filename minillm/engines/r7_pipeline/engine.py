@@ -117,7 +117,7 @@ class PipelineEngine(PagedEngine):
     def has_unfinished(self) -> bool:
         return super().has_unfinished() or bool(self.in_flight)
 
-    def step(self) -> StepOutput:
+    def _step(self) -> StepOutput:
         if self.broken is not None:
             raise self.broken
         out = self._take_aborted()
