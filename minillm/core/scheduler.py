@@ -200,7 +200,7 @@ class Scheduler:
         them, fewer when the budget ran short, none if it was not scheduled (waiting, preempted).
         The guesses were never part of its tokens, so dropping them undoes nothing."""
         planned = {seq: n for seq, n in out.scheduled}
-        for group in self.running + self.waiting:
+        for group in self.running + out.preempted:     # where proposed sequences can be now
             for seq in group.seqs:
                 if seq.spec_token_ids:
                     del seq.spec_token_ids[max(0, planned.get(seq, 0) - 1):]
@@ -238,7 +238,7 @@ class Scheduler:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if seq.request.params.n > 1 and seq.num_computed_tokens == seq.num_tokens:
                 self.groups[seq.request.request_id].fork_samples(seq, self.bm)
 
     def rows_to_sample(self, reached: list[Sequence]) -> list[tuple[int, Sequence]]:
