@@ -84,7 +84,7 @@ def worker_env() -> dict:
 def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
     """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
     worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
-    from .core.engine import DEFAULT_KV_CACHE_BYTES
+    from .core.config import DEFAULT_KV_CACHE_BYTES
     from .models import ensure_smollm2_cache
 
     py = ensure_venv()
