@@ -125,6 +125,13 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     return RunResult(outputs, metrics, [])
 
 
+def vllm_cpu(model, requests, options: dict, progress: bool = False):
+    """The benchmark's ``vllm-cpu`` peer: at its ``max_num_seqs`` (default 64), with its files
+    under figures/vllm."""
+    workdir = Path(__file__).resolve().parent.parent / "figures" / "vllm"
+    return run_vllm_engine(model, requests, options.get("max_num_seqs", 64), workdir)
+
+
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """How far two engines' greedy outputs agree: identical requests, and the share of tokens
     before the first difference."""
