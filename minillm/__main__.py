@@ -10,7 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from .engines import ENGINES, all_options, options_from
+from .engines import ENGINES, all_options, options_from, resolve
 
 GENERATE_HELP = """\
 Generate for every non-blank line of a UTF-8 JSONL file (a leading BOM is ignored): an object with
@@ -32,45 +32,19 @@ PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "bea
                 "ignore_eos")
 
 
-# Help for each engine option; which options exist comes from the engines' constructors.
-OPTION_HELP = {
-    "batch_size": "static: requests per batch",
-    "max_num_seqs": "dynamic/paged: max concurrent requests",
-    "block_size": "paged: tokens per KV block",
-    "num_blocks": "paged: KV pool size in blocks",
-    "kv_cache_bytes": "paged: KV pool size in bytes",
-    "max_num_batched_tokens": "paged: token budget per step",
-    "enable_prefix_caching": "paged: reuse KV blocks of shared prompt prefixes",
-    "policy": "paged: scheduling order (fcfs, priority)",
-    "attention_backend": "paged: attention backend, torch, cpp or triton (default: triton on CUDA, "
-                         "cpp on CPU where a C++ compiler builds it, else torch)",
-    # rung 7, pipeline parallelism (--pipeline-parallel N selects the pipeline engine)
-    "pipeline_parallel_size": "pipeline: number of stages (processes), >= 2",
-    "num_microbatches": "pipeline: micro-batches in flight (default: one per stage)",
-    "worker_threads": "pipeline: torch threads per spawned worker",
-    "pipeline_timeout_s": "pipeline: seconds any wait on another rank may take before it is an "
-                          "error",
-    "speculative": "paged: speculative decoding, ngram (prompt lookup) or draft (the model's first "
-                   "layers); n > 1 and beam requests decode normally",
-    "num_speculative_tokens": "speculative: tokens guessed per step (k)",
-    "prompt_lookup_max": "speculative ngram: longest suffix looked up",
-    "prompt_lookup_min": "speculative ngram: shortest suffix looked up",
-    "draft_layers": "speculative draft: layers of the model the draft keeps (default 1/4)",
-}
-
-
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """One flag per option of any engine (``--block-size`` for ``block_size``, ...)."""
-    g = p.add_argument_group("engine options (rung 1-3)")
-    for name, param in all_options().items():
-        flags = ["--" + name.replace("_", "-")] + (["--attention"] if name == "attention_backend" else [])
-        flags += ["--pipeline-parallel"] if name == "pipeline_parallel_size" else []
-        if isinstance(param.default, bool):
-            g.add_argument(*flags, dest=name, action="store_true", default=None,
-                           help=OPTION_HELP[name])
+    """One flag per option of any engine (``--block-size`` for ``block_size``, plus the aliases
+    and help its config field's metadata gives, ``minillm/core/config.py``)."""
+    g = p.add_argument_group("engine options (from the engines' config dataclasses)")
+    for name, opt in all_options().items():
+        if opt.type is bool:
+            g.add_argument(*opt.flags, dest=name, action="store_true", default=None, help=opt.help)
         else:
-            typ = int if isinstance(param.default, int) or "int" in str(param.annotation) else str
-            g.add_argument(*flags, dest=name, type=typ, help=OPTION_HELP[name])
+            g.add_argument(*opt.flags, dest=name, type=opt.type, help=opt.help)
+
+
+# Each engine option's help, as the CLI shows it (generated from the config fields' metadata)
+OPTION_HELP = {name: opt.help for name, opt in all_options().items()}
 
 
 @dataclass
@@ -212,12 +186,15 @@ def fail(message: str) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    pipeline = getattr(args, "pipeline_parallel_size", None) or args.engine == "pipeline"
-    if pipeline and int(os.environ.get("RANK", 0)) > 0:
-        # Rung 7 under torchrun: ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
+    options = options_from(args)
+    try:
+        spec = resolve(args.engine, options)[0]
+    except ValueError as e:
+        return fail(str(e))
+    if spec.worker is not None and int(os.environ.get("RANK", 0)) > 0:
+        # Under torchrun (rung 7): ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
         # the prompts, schedules and writes --out.
-        from .engines.r7_pipeline.launcher import torchrun_worker
-        return torchrun_worker(args.model, args.pipeline_timeout_s or 60)
+        return spec.load_worker()(args.model, **options)
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                                   ("seed", args.seed)) if v is not None}
     try:
@@ -231,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .llm import LLM
     try:
-        llm = LLM(args.model, engine=args.engine, **options_from(args))
+        llm = LLM(args.model, engine=args.engine, **options)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
     requests, outputs, metrics, failure = make_requests(llm, lines), {}, None, None

@@ -17,15 +17,20 @@ from pathlib import Path
 
 import torch
 
-from .engines import ENGINES, options_for, options_from
+from . import peers, vllm_peer
+from .engines import ENGINES, REGISTRY, options_for, options_from
 from .metrics import RunMetrics
 
-PEERS = ("hf-static", "hf-generate-batch", "vllm-cpu")   # HF baselines (peers.py), vLLM (vllm_peer.py)
-ALL_ENGINES = ENGINES + PEERS
+FIGURES = Path(__file__).resolve().parent.parent / "figures"
+# The peers, by name: each a function (model, requests, options, progress) -> RunResult. The HF
+# baselines (peers.py) and vLLM on the CPU (vllm_peer.py, which warms up inside its own process).
+PEERS = {"hf-static": peers.hf_static, "hf-generate-batch": peers.hf_generate_batch,
+         "vllm-cpu": vllm_peer.vllm_cpu}
+WARMS_UP_ITSELF = {"vllm-cpu"}
+ALL_ENGINES = ENGINES + tuple(PEERS)
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
 EXPERIMENTS = ("prefix", "parallel", "capacity", "speculative")
 SPEC_ENGINES = ("paged", "paged+ngram", "paged+draft")
-FIGURES = Path(__file__).resolve().parent.parent / "figures"
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -57,17 +62,8 @@ def run_engine(model, name: str, items, options: dict, progress: bool = True):
     from .workload import to_requests
 
     if name in PEERS:
-        from . import peers
         encoder = LLM(model, engine="naive")       # only used to turn prompts into token ids
-        reqs = to_requests(encoder, items)
-        if name == "vllm-cpu":
-            from .vllm_peer import run_vllm_engine
-            return run_vllm_engine(model, reqs, options.get("max_num_seqs", 64),
-                                   FIGURES / "vllm")
-        if name == "hf-static":
-            return peers.run_hf_static(model, reqs, batch_size=options.get("batch_size", 32),
-                                       progress=progress)
-        return peers.run_hf_generate_batch(model, reqs, progress=progress)
+        return PEERS[name](model, to_requests(encoder, items), options, progress)
     llm = LLM(model, engine=name, **options_for(name, options))
     return llm.run(to_requests(llm, items), progress=progress)
 
@@ -165,8 +161,9 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
         runs.insert(engines.index("paged") + 1, ("paged-kv-budget", kv_budget_options(model, items, options)))
     for label, opts in runs:
         name = "paged" if label == "paged-kv-budget" else label
-        work = naive_items if name.startswith("naive") else items
-        if name != "vllm-cpu":    # vLLM warms up inside its own process
+        one_at_a_time = name in REGISTRY and REGISTRY[name].serves_one_at_a_time
+        work = naive_items if one_at_a_time else items
+        if name not in WARMS_UP_ITSELF:
             run_engine(model, name, warmup_items(items), opts, progress=False)
         t = time.perf_counter()
         res = run_engine(model, name, work, opts)

@@ -23,9 +23,9 @@ Prompt = Union[str, list, dict]
 class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, engine: str = "paged",
                  device: str | None = None, **engine_options):
-        if engine == "paged" and engine_options.get("pipeline_parallel_size") is not None:
-            engine = "pipeline"   # the paged engine cut into stages across processes (rung 7)
-        if engine not in ENGINES:
+        """``engine_options``: the engine's options (its config fields, flat); the registry
+        routes ``paged`` with ``speculative=`` or ``pipeline_parallel_size=`` to rung 6 or 7."""
+        if engine not in ENGINES:   # (before the model loads)
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
         self.model = model if isinstance(model, LoadedModel) else load_model(model, device)
         self.tokenizer = self.model.tokenizer

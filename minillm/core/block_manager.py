@@ -53,13 +53,10 @@ def blocks_for_request(prompt_len: int, num_output_tokens: int, width: int, bloc
 
 class BlockManager:
     """The paged allocator behind ``minillm.engines.r5_allocators.KVAllocator``: the interface the scheduler
-    drives (the visualizer's contiguous allocators implement the same one)."""
+    drives (the visualizer's contiguous allocators implement the same one). Its geometry is a
+    ``minillm.core.config.CacheConfig``'s, checked there."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks < 1:
-            raise ValueError(f"the KV pool must hold at least one block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

@@ -18,54 +18,52 @@ import torch
 from torch.profiler import record_function
 
 from ..memory import KVCounts, MemorySnapshot
-from ..request import FinishReason, Request, RequestError, check_int
+from ..request import FinishReason, Request, RequestError
 from ..engines.base import Engine, StepOutput
-from .attention.reference import TorchAttention
+from .attention import get_attention_backend
 from .block_manager import BlockManager
+from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
 from .sequence import Sequence
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 class PagedEngine(Engine):
     name = "paged"
     supports_abort = True
     supports_parallel = True    # n > 1 and beams share blocks
+    configs = (CacheConfig, SchedulerConfig, ModelConfig)
 
-    def __init__(self, model, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 1024,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-                 policy: str = "fcfs", backend=None, runner=None, sampler=None,
-                 block_manager=None):
-        """``backend``: the attention backend (``create_engine`` picks it from
-        ``attention_backend="torch"|"cpp"|"triton"``; default: rung 3's torch reference).
-        ``runner``/``sampler`` replace the model runner and the sampler, ``block_manager`` the
-        KV allocator (the visualizer replays workloads with a runner that computes nothing, under
+    def __init__(self, model, *, backend=None, runner=None, sampler=None, block_manager=None,
+                 **options):
+        """``options``: the fields of ``configs``, flat (``block_size=16``, ``max_num_seqs=64``,
+        ``attention_backend=None``...); they are kept as ``cache_config``, ``scheduler_config``
+        and ``model_config``. The rest is plumbing: ``backend`` replaces the attention backend
+        ``get_attention_backend`` picks from ``attention_backend`` ("torch", "cpp", "triton"),
+        ``runner``/``sampler`` the model runner and the sampler, ``block_manager`` the KV
+        allocator (the visualizer replays workloads with a runner that computes nothing, under
         each allocator of ``minillm.engines.r5_allocators``); by default the real ones are built
         (the runner by ``make_runner``)."""
-        super().__init__(model)
-        block_size = check_int("block_size", block_size, 1)
-        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got "
-                             f"{enable_prefix_caching!r}")
+        super().__init__(model, **options)
+        cache, limits = self.cache_config, self.scheduler_config
         if block_manager is None:
-            num_blocks = self.pool_size(block_size, num_blocks, kv_cache_bytes, max_num_seqs)
-            block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            num_blocks = cache.num_blocks_for(model.kv_bytes_per_token, self.max_model_len,
+                                              limits.max_num_seqs)
+            block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         elif runner is None:
             raise ValueError("block_manager= replaces the KV layout the model runner reads: "
                              "pass a runner for it too")
-        self.block_size = block_size
+        self.block_size = cache.block_size
         self.block_manager = block_manager
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, policy,
-                                   self.eos_ids, self.max_model_len)
-        self.backend = backend or TorchAttention()
+        self.scheduler = Scheduler(self.block_manager, limits.max_num_batched_tokens,
+                                   limits.max_num_seqs, limits.policy, self.eos_ids,
+                                   self.max_model_len)
         if runner is None:   # every option is checked by now: the KV pool is allocated last
-            runner = self.make_runner(num_blocks, block_size, self.backend)
+            backend = backend or get_attention_backend(self.model_config.attention_backend,
+                                                       model.device)
+            runner = self.make_runner(block_manager.num_blocks, cache.block_size, backend)
+        self.backend = backend   # (None when a runner was given without one)
         self.runner, self.sampler = runner, sampler or Sampler()
         self.aborted: list[Request] = []
 
@@ -73,22 +71,6 @@ class PagedEngine(Engine):
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
         extension point later rungs override (rung 7 runs a stage of the layers)."""
         return ModelRunner(self.model, num_blocks, block_size, backend)
-
-    def pool_size(self, block_size: int, num_blocks: int | None, kv_cache_bytes: int | None,
-                  max_num_seqs: int) -> int:
-        """Blocks in the pool: given directly, or as many as a byte budget holds (default 1 GiB,
-        but no more than every sequence at full length could use)."""
-        if num_blocks is not None:
-            return check_int("num_blocks", num_blocks, 1)
-        block_bytes = block_size * self.model.kv_bytes_per_token
-        if kv_cache_bytes is None:
-            n = DEFAULT_KV_CACHE_BYTES // block_bytes
-            return int(min(n, max_num_seqs * -(-self.max_model_len // block_size)))
-        kv_cache_bytes = check_int("kv_cache_bytes", kv_cache_bytes, 1)
-        if kv_cache_bytes < block_bytes:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one block "
-                             f"({block_bytes} bytes)")
-        return kv_cache_bytes // block_bytes
 
     # --- requests ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:

@@ -33,8 +33,6 @@ from ..request import FinishReason, Request, RequestError
 from .beam import beam_step, select_beams
 from .sequence import Sequence, SequenceGroup
 
-POLICIES = ("fcfs", "priority")
-
 
 @dataclass
 class SchedulerOutput:
@@ -50,15 +48,12 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the requests in flight (``groups``) and the KV allocator (the ``BlockManager``, or
     any other ``minillm.core.allocator.KVAllocator``): ``schedule`` decides a step, ``postprocess``
-    commits it (tokens appended, samples forked, finished ones freed)."""
+    commits it (tokens appended, samples forked, finished ones freed). Its limits are a
+    ``minillm.core.config.SchedulerConfig``'s, checked there."""
 
     def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,
                  max_num_seqs: int = 64, policy: str = "fcfs", eos_ids: set[int] = frozenset(),
                  max_model_len: int = 1 << 62):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs

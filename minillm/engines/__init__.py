@@ -1,23 +1,21 @@
 """The ladder: one module per rung, all behind the ``Engine`` interface of ``base.py``.
 
-``REGISTRY`` is the one list of engines: name -> class, the options its constructor takes (read
-from its signature, so no list of options is kept by hand anywhere) and what it can do (abort,
-n > 1 and beam search: class attributes of the engine). The CLI, the benchmark and ``LLM`` all go
-through ``create_engine``. The attention backend of rung 3 is chosen here too: rung 3 itself never
-imports rung 4.
+``REGISTRY`` is the one list of engines: name -> class, the options it takes (the fields of the
+config dataclasses the class declares in ``configs``, ``minillm/core/config.py``: no list of
+options is kept by hand anywhere), where a name leads with some options (``upgrades``: ``paged``
+with ``speculative=`` is rung 6, with ``pipeline_parallel_size`` rung 7) and what it can do
+(abort, n > 1 and beam search: class attributes of the engine). The CLI, the benchmark, the
+server and ``LLM`` all go through it.
 """
 from __future__ import annotations
 
 import importlib
-import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from ..core.attention import get_attention_backend
+from ..core.config import Option, option_value, options_of
 from .base import Engine, RunResult, StepOutput
-
-# Constructor parameters that are plumbing, not user options.
-_INTERNAL = {"self", "model", "use_cache", "runner", "sampler", "backend", "block_manager",
-             "group", "proposer"}   # group: the pipeline's process group under torchrun (rung 7)
 
 
 @dataclass(frozen=True)
@@ -27,20 +25,23 @@ class EngineSpec:
     module: str                       # the module that defines ``cls``
     cls: str
     fixed: dict = field(default_factory=dict)   # what the name implies (naive-nocache: no cache)
+    # option -> the engine this one becomes when it is set: an engine name, or one per value
+    upgrades: dict[str, str | dict[str, str]] = field(default_factory=dict)
+    worker: str | None = None         # "module:function" ranks 1.. run under torchrun
+    servable: bool = False            # ``python -m minillm serve`` offers it
 
     def load(self) -> type[Engine]:
         return getattr(importlib.import_module(self.module), self.cls)
 
     @property
-    def options(self) -> dict[str, inspect.Parameter]:
-        """The options a user may pass, by name (parameters of the engine's constructor)."""
-        params = inspect.signature(self.load().__init__).parameters
-        extra = {"attention_backend": None} if self.name.startswith("paged") else {}
-        if self.name == "paged":    # ``paged`` + ``speculative="ngram"`` is rung 6's engine
-            extra["speculative"] = None
-        opts = {k: p for k, p in params.items() if k not in _INTERNAL and k not in self.fixed}
-        return opts | {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
-                       for k, v in extra.items()}
+    def fields(self) -> dict[str, Option]:
+        """Every field of the engine's configs, as an option (``fixed`` ones included)."""
+        return {k: o for config in self.load().configs for k, o in options_of(config).items()}
+
+    @property
+    def options(self) -> dict[str, Option]:
+        """The options a user may pass, by name: the config fields the name does not fix."""
+        return {k: o for k, o in self.fields.items() if k not in self.fixed}
 
     @property
     def supports_abort(self) -> bool:
@@ -51,53 +52,80 @@ class EngineSpec:
         """n > 1 parallel samples and beam search (they need blocks that can be shared)."""
         return self.load().supports_parallel
 
+    @property
+    def serves_one_at_a_time(self) -> bool:
+        return self.load().serves_one_at_a_time
 
+    def load_worker(self) -> Callable[..., int]:
+        """The worker function (model name, **options) -> exit status."""
+        module, function = self.worker.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+_SPEC = "minillm.engines.r6_speculative.engine"
 REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("naive-nocache", 0, "minillm.engines.r0_naive", "NaiveEngine", {"use_cache": False}),
     EngineSpec("naive", 0, "minillm.engines.r0_naive", "NaiveEngine", {"use_cache": True}),
     EngineSpec("static", 1, "minillm.engines.r1_static", "StaticBatchEngine"),
-    EngineSpec("dynamic", 2, "minillm.engines.r2_dynamic", "DynamicBatchEngine"),
-    EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine"),
-    EngineSpec("paged+ngram", 6, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
-               {"speculative": "ngram"}),
-    EngineSpec("paged+draft", 6, "minillm.engines.r6_speculative.engine", "SpeculativeEngine",
-               {"speculative": "draft"}),
-    EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine"),
+    EngineSpec("dynamic", 2, "minillm.engines.r2_dynamic", "DynamicBatchEngine", servable=True),
+    EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine", servable=True, upgrades={
+        "speculative": {"ngram": "paged+ngram", "draft": "paged+draft"},
+        "pipeline_parallel_size": "pipeline"}),
+    EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"}),
+    EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"}),
+    EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine",
+               worker="minillm.engines.r7_pipeline.launcher:torchrun_worker"),
 )}
 ENGINES = tuple(REGISTRY)
 
 
-def create_engine(name: str, model, **options) -> Engine:
-    """Build engine ``name`` for a loaded model; ``options`` go to its constructor.
-    ``paged`` with ``speculative`` ("ngram", "draft" or a ``SpeculativeConfig``) builds rung 6's
-    ``paged+ngram`` / ``paged+draft``."""
-    speculative = options.pop("speculative", None) if name == "paged" else None
-    if speculative is not None:
-        method = getattr(speculative, "method", speculative)
-        name = f"paged+{method}" if method in ("ngram", "draft") else ""
-        if not name:
-            raise ValueError(f"speculative must be 'ngram' or 'draft' (or a SpeculativeConfig), "
-                             f"got {speculative!r}")
+def resolve(name: str, options: dict) -> tuple[EngineSpec, dict, dict]:
+    """The engine ``name`` with ``options`` builds: (its spec, the options left for it, the
+    values its name fixes). An upgrade option moves ``name`` on (``paged`` + ``speculative="ngram"``
+    or a ``SpeculativeConfig`` is ``paged+ngram``); one set to None is dropped."""
     spec = REGISTRY.get(name)
     if spec is None:
         raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+    options = dict(options)
+    for option, to in spec.upgrades.items():
+        if option in options and options[option] is None:
+            del options[option]
+        if option not in options:
+            continue
+        if isinstance(to, str):
+            return resolve(to, options)
+        value = options.pop(option)
+        target = next((e for key, e in to.items() if key == option_value(value, option)), None)
+        if target is None:
+            config = all_options()[option].config.__name__
+            raise ValueError(f"{option} must be {' or '.join(map(repr, to))} (or a {config}), "
+                             f"got {value!r}")
+        return REGISTRY[target], options, {**REGISTRY[target].fixed, option: value}
+    return spec, options, dict(spec.fixed)
+
+
+def create_engine(name: str, model, **options) -> Engine:
+    """Build engine ``name`` (or the one it ``resolve``s to) for a loaded model; ``options``
+    are its configs' fields, flat."""
+    spec, options, fixed = resolve(name, options)
     allowed = spec.options
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"bad option for engine {name!r}: {', '.join(unknown)} (it takes "
+        raise ValueError(f"bad option for engine {spec.name!r}: {', '.join(unknown)} (it takes "
                          f"{', '.join(allowed) or 'no options'})")
-    if name.startswith("paged"):
-        options["backend"] = get_attention_backend(options.pop("attention_backend", None),
-                                                   model.device)
-    fixed = spec.fixed if speculative is None else {**spec.fixed, "speculative": speculative}
     return spec.load()(model, **fixed, **options)
 
 
-def all_options() -> dict[str, inspect.Parameter]:
-    """Every option any engine takes, in ladder order (the CLI makes a flag of each)."""
-    out: dict[str, inspect.Parameter] = {}
+def all_options() -> dict[str, Option]:
+    """Every option any engine takes, in ladder order (the CLI makes a flag of each). An option
+    two engines share with different help (``max_num_seqs``) gets both."""
+    out: dict[str, Option] = {}
     for spec in REGISTRY.values():
-        out |= {k: p for k, p in spec.options.items() if k not in out}
+        for name, opt in spec.fields.items():
+            if name not in out:
+                out[name] = opt
+            elif opt.help not in out[name].help:
+                out[name] = replace(out[name], help=f"{out[name].help}; {opt.help}")
     return out
 
 
@@ -114,4 +142,5 @@ def options_for(name: str, options: dict) -> dict:
 
 
 __all__ = ["ENGINES", "REGISTRY", "Engine", "EngineSpec", "RunResult", "StepOutput",
-           "all_options", "create_engine", "get_attention_backend", "options_for", "options_from"]
+           "all_options", "create_engine", "get_attention_backend", "options_for", "options_from",
+           "resolve"]

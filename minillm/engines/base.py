@@ -16,10 +16,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 from tqdm.auto import tqdm
 
+from ..core.config import build_configs, config_attr
 from ..memory import KVCounts, MemorySnapshot, rectangle_counts, rectangle_snapshot
 from ..metrics import StepRecord
 from ..models import LoadedModel
@@ -49,8 +50,15 @@ class Engine:
     name = "base"
     supports_abort = False
     supports_parallel = False   # n > 1 samples and beam search
+    serves_one_at_a_time = False
+    # The config classes (``minillm.core.config``) whose fields are this engine's options
+    configs: ClassVar[tuple[type, ...]] = ()
 
-    def __init__(self, model: LoadedModel):
+    def __init__(self, model: LoadedModel, **options):
+        """``options``: the fields of ``configs``, flat (``block_size=4``); each config is made,
+        and so checked, here and kept as ``self.cache_config`` etc. (``config_attr``)."""
+        for config in build_configs(type(self).configs, options, type(self).__name__):
+            setattr(self, config_attr(type(config)), config)
         self.model = model
         self.tokenizer = model.tokenizer
         self.eos_ids = model.eos_token_ids

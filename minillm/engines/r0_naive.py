@@ -26,6 +26,8 @@ from .base import ContiguousEngine, StepOutput, timed_ms
 class NaiveEngine(ContiguousEngine):
     """One request at a time through the Hugging Face model, with or without its KV cache."""
 
+    serves_one_at_a_time = True
+
     def __init__(self, model, use_cache: bool = True):
         super().__init__(model)
         self.use_cache = use_cache

@@ -13,22 +13,34 @@ token: the big win over rung 0. The cost (notebook 01_static_batching):
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from transformers import StaticCache
 
-from ..request import FinishReason, Request, check_int
+from ..core.config import option, set_checked
+from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
 from .base import ContiguousEngine, StepOutput, timed_ms
 from .padded import hf_forward, left_pad
 
 
+@dataclass(frozen=True)
+class StaticConfig:
+    batch_size: int = option(32, "static: requests per batch")
+
+    def __post_init__(self):
+        set_checked(self, "batch_size")
+
+
 class StaticBatchEngine(ContiguousEngine):
     name = "static"
+    configs = (StaticConfig,)
 
-    def __init__(self, model, batch_size: int = 32):
-        super().__init__(model)
-        self.batch_size = check_int("batch_size", batch_size, 1)
+    def __init__(self, model, **options):
+        """``options``: ``StaticConfig``'s (``batch_size=32``)."""
+        super().__init__(model, **options)
+        self.batch_size = self.static_config.batch_size
         self.waiting: deque[Request] = deque()
         self.batch: list[Request] = []
         self.cache: StaticCache | None = None

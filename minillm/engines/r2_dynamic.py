@@ -19,23 +19,35 @@ Those holes and that padding are the waste that rung 3's paged KV cache removes.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from ..request import FinishReason, Request, check_int
+from ..core.config import option, set_checked
+from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
 from .base import ContiguousEngine, StepOutput, timed_ms
 from .padded import PaddedKV, hf_forward, left_pad
 
 
+@dataclass(frozen=True)
+class DynamicConfig:
+    max_num_seqs: int = option(32, "dynamic: max concurrent requests (rows of the rectangle)")
+
+    def __post_init__(self):
+        set_checked(self, "max_num_seqs")
+
+
 class DynamicBatchEngine(ContiguousEngine):
     name = "dynamic"
     supports_abort = True
+    configs = (DynamicConfig,)
 
-    def __init__(self, model, max_num_seqs: int = 32):
-        super().__init__(model)
-        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+    def __init__(self, model, **options):
+        """``options``: ``DynamicConfig``'s (``max_num_seqs=32``)."""
+        super().__init__(model, **options)
+        self.max_num_seqs = self.dynamic_config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = []   # row r of the rectangle; None = a hole
         self.kv: PaddedKV | None = None

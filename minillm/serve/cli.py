@@ -23,8 +23,14 @@ open the dashboard as /dashboard?key=KEY."""
 KEY_ENV = "MINILLM_API_KEY"
 
 
+def servable_engines() -> tuple[str, ...]:
+    """The registry's engines marked servable: they must abort (a client may go away)."""
+    from ..engines import REGISTRY
+    return tuple(name for name, spec in REGISTRY.items() if spec.servable and spec.supports_abort)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="paged", choices=("paged", "dynamic"),
+    p.add_argument("--engine", default="paged", choices=servable_engines(),
                    help="an engine that can abort requests (default: paged)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--host", default="127.0.0.1",

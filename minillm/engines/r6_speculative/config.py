@@ -1,40 +1,44 @@
 """``SpeculativeConfig``: how rung 6 speculates (vLLM's ``speculative_config``, reduced).
 
-Checked when made: a bad field raises a ``ValueError`` naming the field and the value.
+Frozen and checked when made: a bad field raises a ``ValueError`` naming the field and the value.
+Its fields are engine options (``minillm.core.config``); ``method`` is the option ``speculative``,
+which also takes a whole ``SpeculativeConfig``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...request import check_int
+from ...core.config import option, set_checked
 
 METHODS = ("ngram", "draft")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"              # "ngram": prompt lookup; "draft": a truncated target
-    num_speculative_tokens: int = 4    # k: guesses per step (the target checks k + 1 positions)
-    prompt_lookup_max: int = 4         # ngram: the longest suffix looked up earlier in the text
-    prompt_lookup_min: int = 2         # ngram: the shortest
-    draft_layers: int | None = None    # draft: the target's first layers it keeps (default 1/4)
+    method: str = option("ngram", "paged: speculative decoding, ngram (prompt lookup) or draft "
+                                  "(the model's first layers); n > 1 and beam requests decode "
+                                  "normally", name="speculative")
+    # k: guesses per step (the target checks k + 1 positions)
+    num_speculative_tokens: int = option(4, "speculative: tokens guessed per step (k)")
+    prompt_lookup_max: int = option(4, "speculative ngram: longest suffix looked up")
+    prompt_lookup_min: int = option(2, "speculative ngram: shortest suffix looked up")
+    draft_layers: int | None = option(None, "speculative draft: layers of the model the draft "
+                                            "keeps (default 1/4)")
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got "
                              f"{self.method!r}")
-        self.num_speculative_tokens = check_int("num_speculative_tokens",
-                                                self.num_speculative_tokens, 1)
+        set_checked(self, "num_speculative_tokens")
         if self.num_speculative_tokens > 64:
             raise ValueError(f"num_speculative_tokens must be <= 64, got "
                              f"{self.num_speculative_tokens!r}")
-        self.prompt_lookup_max = check_int("prompt_lookup_max", self.prompt_lookup_max, 1)
-        self.prompt_lookup_min = check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        set_checked(self, "prompt_lookup_max")
+        set_checked(self, "prompt_lookup_min")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.draft_layers is not None:
-            self.draft_layers = check_int("draft_layers", self.draft_layers, 1)
+        set_checked(self, "draft_layers", optional=True)
 
     def layers_for(self, num_layers: int) -> int:
         """The draft's depth for a target of ``num_layers`` layers (it cannot be deeper)."""

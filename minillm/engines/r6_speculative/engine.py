@@ -30,22 +30,15 @@ from .rejection import accept
 
 class SpeculativeEngine(PagedEngine):
     name = "paged+spec"
+    configs = PagedEngine.configs + (SpeculativeConfig,)
 
-    def __init__(self, model, speculative: str | SpeculativeConfig = "ngram",
-                 num_speculative_tokens: int = 4, prompt_lookup_max: int = 4,
-                 prompt_lookup_min: int = 2, draft_layers: int | None = None,
-                 block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 1024,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-                 policy: str = "fcfs", backend=None, proposer: Proposer | None = None):
-        """``speculative``: "ngram" or "draft" with the options beside it, or a whole
-        ``SpeculativeConfig`` (which then wins). ``proposer`` replaces the proposer it builds."""
-        super().__init__(model, block_size, num_blocks, kv_cache_bytes, max_num_batched_tokens,
-                         max_num_seqs, enable_prefix_caching, policy, backend)
-        cfg = speculative if isinstance(speculative, SpeculativeConfig) else SpeculativeConfig(
-            speculative, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min,
-            draft_layers)
-        self.config = cfg
+    def __init__(self, model, *, proposer: Proposer | None = None, **options):
+        """``options``: the paged engine's and ``SpeculativeConfig``'s, flat:
+        ``speculative="ngram"`` or ``"draft"`` with the options beside it, or
+        ``speculative=SpeculativeConfig(...)`` (which then wins). ``proposer`` replaces the
+        proposer it builds."""
+        super().__init__(model, **options)
+        cfg = self.config = self.speculative_config   # (frozen: one object, two names)
         self.name = f"paged+{cfg.method}"
         if proposer is None and cfg.method == "ngram":
             proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)

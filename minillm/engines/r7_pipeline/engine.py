@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...request import check_int
 from ..base import StepOutput
 from ...core.engine import PagedEngine
 from ...core.model import PagedLlama
 from ...core.scheduler import SchedulerOutput
 from ...core.sequence import Sequence, SequenceGroup
 from .comm import PipelineError, deferred_interrupt
+from .config import ParallelConfig
 from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
 from .stage import StageConfig, StageRunner
 from .timeline import Event, format_summary
@@ -58,37 +58,27 @@ class MicroBatch:
 class PipelineEngine(PagedEngine):
     name = "pipeline"
 
-    def __init__(self, model, pipeline_parallel_size: int = 2, num_microbatches: int | None = None,
-                 block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 1024,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = False,
-                 policy: str = "fcfs", attention_backend: str | None = None,
-                 worker_threads: int = 1, pipeline_timeout_s: int = 60,
-                 group: WorkerGroup | None = None):
-        """``pipeline_parallel_size`` ranks (>= 2); up to ``num_microbatches`` in flight (default:
-        one per rank). Without ``group``, ranks 1.. are spawned on this machine (CPU, gloo), each
-        with ``worker_threads`` torch threads; under torchrun (RANK, WORLD_SIZE... set) this
-        process joins torchrun's ranks instead (threads: OMP_NUM_THREADS, which torchrun sets).
+    configs = PagedEngine.configs + (ParallelConfig,)
+
+    def __init__(self, model, *, group: WorkerGroup | None = None, **options):
+        """``options``: the paged engine's and ``ParallelConfig``'s, flat. Ranks:
+        ``pipeline_parallel_size`` (>= 2); up to ``num_microbatches`` in flight (default: one per
+        rank). Without ``group``, ranks 1.. are spawned on this machine (CPU, gloo), each with
+        ``worker_threads`` torch threads; under torchrun (RANK, WORLD_SIZE... set) this process
+        joins torchrun's ranks instead (threads: OMP_NUM_THREADS, which torchrun sets).
         ``pipeline_timeout_s`` bounds every wait: a silent peer becomes an error, not a hang."""
-        world = check_int("pipeline_parallel_size", pipeline_parallel_size, 2)
-        num_mb = check_int("num_microbatches",
-                           world if num_microbatches is None else num_microbatches, 1)
-        threads = check_int("worker_threads", worker_threads, 1)
-        timeout = check_int("pipeline_timeout_s", pipeline_timeout_s, 1)
         torchrun = group is None and under_torchrun()   # one process per rank, from torchrun
         if group is None and not torchrun and model.device.type != "cpu":
             raise ValueError("spawning pipeline workers works on one CPU machine; on GPUs start "
                              "one process per GPU with torchrun (see the README)")
-        from .. import get_attention_backend
-        backend = get_attention_backend(attention_backend, model.device)
-        self.pipeline_parallel_size, self.attention_backend = world, attention_backend
-        # PagedEngine checks every option, then builds rank 0's stage (``make_runner``, which
-        # reads the two fields above), all before any process is started.
-        super().__init__(model, block_size, num_blocks, kv_cache_bytes, max_num_batched_tokens,
-                         max_num_seqs, enable_prefix_caching, policy, backend=backend)
+        # PagedEngine checks every option, then builds rank 0's stage (``make_runner``), all
+        # before any process is started.
+        super().__init__(model, **options)
+        parallel = self.parallel_config
+        world, timeout = parallel.pipeline_parallel_size, parallel.pipeline_timeout_s
         if torchrun:
             group = torchrun_group(timeout, model.device)
-        self.group = group or launch(self.runner.net, world, timeout, threads)
+        self.group = group or launch(self.runner.net, world, timeout, parallel.worker_threads)
         self.comm = self.group.comm
         self._finalizer = weakref.finalize(self, self.group.close)   # workers never outlive us
         if self.comm.world_size != world:
@@ -100,7 +90,8 @@ class PipelineEngine(PagedEngine):
                 self.comm.send_object(self.stage_config, rank)
         except PipelineError as e:
             raise self.group.failure(e) from None
-        self.num_microbatches = num_mb
+        # rank 0's alone, so it may change between runs (``measure.py`` does)
+        self.num_microbatches = parallel.num_microbatches or world
         self.in_flight: deque[MicroBatch] = deque()
         self.num_launched = 0
         self.broken: PipelineError | None = None
@@ -108,8 +99,8 @@ class PipelineEngine(PagedEngine):
     def make_runner(self, num_blocks: int, block_size: int, backend) -> StageRunner:
         """Rank 0's stage (the first slice of the layers and their KV pool). The workers build
         theirs from the same ``stage_config``, which ``__init__`` sends them once they are up."""
-        self.stage_config = StageConfig(self.pipeline_parallel_size, num_blocks, block_size,
-                                        self.attention_backend)
+        self.stage_config = StageConfig(self.parallel_config.pipeline_parallel_size, num_blocks,
+                                        block_size, self.model_config.attention_backend)
         return StageRunner(PagedLlama(self.model.hf_model), 0, self.stage_config, backend,
                            self.model.device, self.model.dtype)
 

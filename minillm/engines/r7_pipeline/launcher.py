@@ -183,14 +183,16 @@ def torchrun_group(timeout_s: float, device: torch.device) -> WorkerGroup:
     return WorkerGroup(group_from_env(device, timeout_s))
 
 
-def torchrun_worker(model_name: str, timeout_s: float = 60.0) -> int:
+def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0, **rank0_options) -> int:
     """What ``python -m minillm generate --pipeline-parallel N`` runs on ranks 1..N-1 under
-    torchrun: load the same model, join the group, serve until rank 0 says "stop"."""
+    torchrun (the registry's ``EngineSpec.worker``, given the engine options): load the same
+    model, join the group, serve until rank 0 says "stop". The other options are rank 0's: it
+    sends each stage what it needs."""
     from ...models import load_model
 
     device = torchrun_device()
     model = load_model(model_name, device)
-    comm = group_from_env(device, timeout_s)
+    comm = group_from_env(device, pipeline_timeout_s)
     try:
         run_worker(comm, PagedLlama(model.hf_model))
     except PipelineError as e:

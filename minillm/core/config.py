@@ -1,0 +1,176 @@
+"""Engine configuration: frozen dataclasses, one per concern, in vLLM's vocabulary
+(``CacheConfig``, ``SchedulerConfig``, ``ModelConfig``; rungs add theirs: ``StaticConfig``,
+``DynamicConfig``, ``SpeculativeConfig``, ``ParallelConfig``).
+
+Every field is an engine option. Its keyword (and the CLI's ``--flag``) is the field's name, or
+``metadata["option"]``; its help and extra CLI flags live in the field's metadata too (``option``
+below). An engine lists the configs it takes (``Engine.configs``); the registry, the CLI and
+``LLM`` read every option from there, so no list of options is kept by hand. A config is checked
+once, when it is made: a bad value is a ``ValueError`` naming the field and the value, and a
+config that exists is valid (it cannot be changed afterwards).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+
+from ..request import check_int
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("torch", "cpp", "triton")
+
+
+def option(default, help: str, *, aliases: tuple[str, ...] = (), name: str | None = None):
+    """A config field that is an engine option: ``help`` and ``aliases`` (extra CLI flags) are
+    what the CLI shows; ``name``: the option's keyword when it is not the field's name."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "option": name})
+
+
+def set_checked(config, name: str, minimum: int | None = 1, optional: bool = False) -> None:
+    """Replace ``config.name`` by ``check_int``'s plain int (a frozen dataclass is set once, in
+    ``__post_init__``); None passes where the field is ``optional``."""
+    value = getattr(config, name)
+    if not (optional and value is None):
+        object.__setattr__(config, name, check_int(name, value, minimum))
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+# --- rung 3's configs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool: its blocks and how many (notebook 03)."""
+
+    block_size: int = option(16, "paged: tokens per KV block")
+    num_blocks: int | None = option(None, "paged: KV pool size in blocks")
+    kv_cache_bytes: int | None = option(None, "paged: KV pool size in bytes (default 1 GiB)")
+    enable_prefix_caching: bool = option(False, "paged: reuse KV blocks of shared prompt "
+                                                "prefixes")
+
+    def __post_init__(self):
+        set_checked(self, "block_size")
+        set_checked(self, "num_blocks", optional=True)
+        set_checked(self, "kv_cache_bytes", optional=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+
+    def num_blocks_for(self, bytes_per_token: int, max_model_len: int, max_num_seqs: int) -> int:
+        """Blocks in the pool: ``num_blocks``, or as many as ``kv_cache_bytes`` hold (default
+        1 GiB, but no more than ``max_num_seqs`` sequences at full length could use)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        block_bytes = self.block_size * bytes_per_token
+        if self.kv_cache_bytes is None:
+            n = DEFAULT_KV_CACHE_BYTES // block_bytes
+            return int(min(n, max_num_seqs * -(-max_model_len // self.block_size)))
+        if self.kv_cache_bytes < block_bytes:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} is smaller than one block "
+                             f"({block_bytes} bytes)")
+        return self.kv_cache_bytes // block_bytes
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold: the token budget, the running requests, who goes first."""
+
+    max_num_batched_tokens: int = option(1024, "paged: token budget per step")
+    max_num_seqs: int = option(64, "paged: max concurrent requests")
+    policy: str = option("fcfs", f"paged: scheduling order ({', '.join(POLICIES)})")
+
+    def __post_init__(self):
+        set_checked(self, "max_num_batched_tokens")
+        set_checked(self, "max_num_seqs")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How the model runs: the attention backend (rung 3's torch reference, rung 4's kernels)."""
+
+    attention_backend: str | None = option(
+        None, "paged: attention backend, torch, cpp or triton (default: triton on CUDA, cpp on "
+              "CPU where a C++ compiler builds it, else torch)", aliases=("--attention",))
+
+    def __post_init__(self):
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose "
+                             f"{', '.join(map(repr, ATTENTION_BACKENDS[:-1]))} or "
+                             f"{ATTENTION_BACKENDS[-1]!r}")
+
+
+# --- options: what the registry and the CLI read -----------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One engine option: a field of a config class."""
+
+    name: str                  # its keyword, and ``--name-with-dashes`` on the command line
+    config: type               # the config class that holds it
+    field: str                 # the field it sets
+    default: object
+    type: type                 # what the CLI parses: int, str or bool
+    help: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def flags(self) -> list[str]:
+        return ["--" + self.name.replace("_", "-"), *self.aliases]
+
+
+def _scalar(hint) -> type:
+    """``int`` for ``int | None``: the type a flag's text is parsed into."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def options_of(config: type) -> dict[str, Option]:
+    """The options of one config class, by keyword, in field order."""
+    hints = typing.get_type_hints(config)
+    out = {}
+    for f in dataclasses.fields(config):
+        name = f.metadata.get("option") or f.name
+        out[name] = Option(name, config, f.name, f.default, _scalar(hints[f.name]),
+                           f.metadata["help"], f.metadata.get("aliases", ()))
+    return out
+
+
+def option_value(value, name: str):
+    """What option ``name`` says: ``value`` itself, or, for a whole config passed under the name
+    of one of its fields (``speculative=SpeculativeConfig(...)``), that field's value."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        opt = options_of(type(value)).get(name)
+        return value if opt is None else getattr(value, opt.field)
+    return value
+
+
+def config_attr(config: type) -> str:
+    """The engine attribute a config is kept in: ``CacheConfig`` -> ``cache_config``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", config.__name__).lower()
+
+
+def build_configs(configs: tuple[type, ...], options: dict, owner: str) -> list:
+    """One instance of each class of ``configs``, made from flat ``options`` (keyword -> value).
+    A whole config may be passed under the keyword of one of its fields; it then wins over the
+    options of its class beside it. An unknown keyword is a TypeError, as for any call."""
+    known = {name: cfg for cfg in configs for name in options_of(cfg)}
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    out = []
+    for cfg in configs:
+        mine = {o.field: options[name] for name, o in options_of(cfg).items() if name in options}
+        whole = [v for v in mine.values() if isinstance(v, cfg)]
+        out.append(whole[0] if whole else cfg(**mine))
+    return out
+
+
+__all__ = ["ATTENTION_BACKENDS", "CacheConfig", "DEFAULT_KV_CACHE_BYTES", "ModelConfig", "Option",
+           "POLICIES", "SchedulerConfig", "build_configs", "config_attr", "option", "option_value",
+           "options_of"]
