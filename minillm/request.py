@@ -190,7 +190,6 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     added_step: int | None = None        # steps of its run done when the engine took it (traces)
-    beam_choices: list = field(default_factory=list)   # beam search: each step's choice (traces)
     spec: SpecStats | None = None        # speculative decoding's counters (rung 6)
 
     def __post_init__(self):

@@ -61,16 +61,15 @@ def select_beams(group: SequenceGroup, eos_ids: set[int], max_model_len: int) ->
 
 
 def beam_step(group: SequenceGroup, bm: KVAllocator, eos_ids: set[int], max_model_len: int,
-              select=select_beams) -> list[tuple[Sequence, int]] | None:
+              select=select_beams) -> tuple[BeamChoice, list[tuple[Sequence, int]]] | None:
     """Advance ``group``'s beams by one token once every beam has its log-probabilities; return
-    the (beam, token) continuations for the scheduler to append (``Scheduler._land``), or None
-    while a beam still waits. ``select`` makes the choice (the visualizer passes one that
-    replays a recorded search)."""
+    the choice made and the (beam, token) continuations for the scheduler to append
+    (``Scheduler._land``), or None while a beam still waits. ``select`` makes the choice (the
+    visualizer passes one that replays a recorded search)."""
     beams = group.seqs
     if any(b.pending_logprobs is None for b in beams):
         return None  # some beam is still being recomputed after a preemption
     choice = select(group, eos_ids, max_model_len)
-    group.request.beam_choices.append(choice.to_list())
     gen_len = len(beams[0].output_token_ids) + 1
     for parent, tok, score in choice.stopped:
         add_hypothesis(group, beams[parent].token_ids + [tok], score / gen_len,
@@ -100,7 +99,7 @@ def beam_step(group: SequenceGroup, bm: KVAllocator, eos_ids: set[int], max_mode
         else:
             group.seqs.append(seq)
             continuations.append((seq, tok))
-    return continuations
+    return choice, continuations
 
 
 def add_hypothesis(group: SequenceGroup, tokens: list[int], score: float, prompt_len: int,

@@ -21,6 +21,7 @@ from ..memory import KVCounts, MemorySnapshot
 from ..request import FinishReason, Request, RequestError
 from ..engines.base import Engine, StepOutput
 from .attention import get_attention_backend
+from .beam import select_beams as core_select_beams
 from .block_manager import BlockManager
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .runner import ModelRunner
@@ -36,15 +37,16 @@ class PagedEngine(Engine):
     configs = (CacheConfig, SchedulerConfig, ModelConfig)
 
     def __init__(self, model, *, backend=None, runner=None, sampler=None, block_manager=None,
-                 **options):
+                 select_beams=None, **options):
         """``options``: the fields of ``configs``, flat (``block_size=16``, ``max_num_seqs=64``,
         ``attention_backend=None``...); they are kept as ``cache_config``, ``scheduler_config``
         and ``model_config``. The rest is plumbing: ``backend`` replaces the attention backend
         ``get_attention_backend`` picks from ``attention_backend`` ("torch", "cpp", "triton"),
         ``runner``/``sampler`` the model runner and the sampler, ``block_manager`` the KV
         allocator (the visualizer replays workloads with a runner that computes nothing, under
-        each allocator of ``minillm.engines.r5_allocators``); by default the real ones are built
-        (the runner by ``make_runner``)."""
+        each allocator of ``minillm.engines.r5_allocators``), ``select_beams`` beam search's
+        choice (``core.beam.select_beams``; the replay's repeats a recorded search); by default
+        the real ones are built (the runner by ``make_runner``)."""
         super().__init__(model, **options)
         cache, limits = self.cache_config, self.scheduler_config
         if block_manager is None:
@@ -58,7 +60,8 @@ class PagedEngine(Engine):
         self.block_manager = block_manager
         self.scheduler = Scheduler(self.block_manager, limits.max_num_batched_tokens,
                                    limits.max_num_seqs, limits.policy, self.eos_ids,
-                                   self.max_model_len)
+                                   self.max_model_len, select_beams or core_select_beams,
+                                   self.observers.emit)
         if runner is None:   # every option is checked by now: the KV pool is allocated last
             backend = backend or get_attention_backend(self.model_config.attention_backend,
                                                        model.device)
@@ -160,7 +163,9 @@ class PagedEngine(Engine):
     def complete(self, reached: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
         """Turn a forward's logits into tokens and commit them: sample one row per sequence (n > 1
         samples fork here, sharing their prompt's row), hand the 1 + k rows of each sequence with
-        guesses to ``verify``, then ``postprocess`` appends, finishes and frees."""
+        guesses to ``verify``, then ``postprocess`` appends, finishes and frees. Observers see
+        the pool at its fullest first (phase "computed": every K/V written, nothing committed)."""
+        self.observers.emit("computed", data=reached)
         plain, lookahead, r = [], {}, 0
         for seq in reached:
             k = len(seq.spec_token_ids)

@@ -23,15 +23,18 @@ more blocks than the request was admitted with, and could never fit a tight pool
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
 from .allocator import KVAllocator
 from ..request import FinishReason, Request, RequestError
-from .beam import beam_step, select_beams
+from .beam import BeamChoice, beam_step, select_beams
 from .sequence import Sequence, SequenceGroup
+
+SelectBeams = Callable[[SequenceGroup, set[int], int], BeamChoice]
+Emit = Callable[..., None]          # ``Observers.emit(phase, request_id, data)``
 
 
 @dataclass
@@ -53,14 +56,19 @@ class Scheduler:
 
     def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,
                  max_num_seqs: int = 64, policy: str = "fcfs", eos_ids: set[int] = frozenset(),
-                 max_model_len: int = 1 << 62):
+                 max_model_len: int = 1 << 62, select_beams: SelectBeams = select_beams,
+                 emit: Emit | None = None):
+        """``select_beams`` makes each beam-search choice (the visualizer's replay passes one that
+        replays a recorded search); ``emit(phase, request_id, data)`` tells the engine's observers
+        (``engines/observe.py``) of each choice made."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy
         self.eos_ids, self.max_model_len = set(eos_ids), max_model_len
         self.groups: dict[str, SequenceGroup] = {}    # request id -> group, until it finishes
-        self.select_beams = select_beams               # the visualizer replays recorded choices
+        self.select_beams = select_beams
+        self.emit = emit or (lambda phase, request_id=None, data=None: None)
         self.waiting: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
@@ -282,9 +290,10 @@ class Scheduler:
 
     def _advance_beams(self, group: SequenceGroup) -> None:
         """One beam-search step (``beam.py``); its continuations land here, like any token."""
-        continuations = beam_step(group, self.bm, self.eos_ids, self.max_model_len,
-                                  self.select_beams)
-        if continuations is not None:
+        stepped = beam_step(group, self.bm, self.eos_ids, self.max_model_len, self.select_beams)
+        if stepped is not None:
+            choice, continuations = stepped
+            self.emit("beam", group.request.request_id, choice)
             group.request.commit(None, (), self.eos_ids, self.max_model_len)   # first-token time
             for seq, token in continuations:
                 self._land(seq, [token], beam=True)

@@ -26,6 +26,7 @@ from ..metrics import StepRecord
 from ..models import LoadedModel
 from ..request import Request, RequestError, RequestOutput
 from .driver import Driver, RunResult, ScheduledArrivals, WallClock  # noqa: F401 (RunResult: API)
+from .observe import Observers
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.step_count = 0          # steps of the current (or last) run: each run counts from 1
         self.total_steps = 0         # every step this engine ever ran
+        self.observers = Observers(self)   # views watching each step's phases (``observe.py``)
         # One run at a time: a second thread's run() waits for the first (see ``exclusive``).
         self._run_lock = threading.Lock()
         self._run_thread: int | None = None
@@ -114,6 +116,7 @@ class Engine:
     def step(self) -> StepOutput:
         """One step (``_step``), counted: ``step_count`` in this run, ``total_steps`` ever."""
         out = self._step()
+        self.observers.emit("stepped", data=out)
         self.step_count += 1
         self.total_steps += 1
         return out

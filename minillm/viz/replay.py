@@ -80,10 +80,12 @@ class ReplayBeams:
 
     def __init__(self, requests: dict[str, SimRequest]):
         self.requests = requests
+        self.made: dict[str, int] = {}         # request id -> choices replayed so far
 
     def __call__(self, group, eos_ids, max_model_len) -> BeamChoice:
-        recorded = self.requests[group.request.request_id].beam_choices
-        return BeamChoice.from_list(recorded[len(group.request.beam_choices)])
+        rid = group.request.request_id
+        i = self.made[rid] = self.made.get(rid, -1) + 1
+        return BeamChoice.from_list(self.requests[rid].beam_choices[i])
 
 
 def replay_engine(cfg: SimConfig, allocator: str, requests: dict[str, SimRequest]) -> PagedEngine:
@@ -96,9 +98,8 @@ def replay_engine(cfg: SimConfig, allocator: str, requests: dict[str, SimRequest
         ReplayModel(cfg.max_model_len, cfg.bytes_per_slot), block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         policy=cfg.policy, runner=NullRunner(), sampler=ReplaySampler(requests),
-        block_manager=alloc)
+        block_manager=alloc, select_beams=ReplayBeams(requests))
     engine.name = ALLOCATOR_LABELS[allocator]        # what its snapshots are titled
-    engine.scheduler.select_beams = ReplayBeams(requests)
     return engine
 
 

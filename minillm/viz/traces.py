@@ -1,9 +1,10 @@
 """Traces of real engine runs, for the fragmentation visualizer to replay.
 
 ``Engine.run`` stamps each request with the step at which it was added (``Request.added_step``);
-``trace_from_run`` (or ``record_paged_run``, which runs and traces) turns the run into a ``Trace`` (each request's prompt,
-its output lengths and tokens, the engine step at which it was added, the engine's pool and
-limits), which ``Trace.save``/``load`` keep as JSON. ``replay_trace`` runs it through an allocator
+``trace_from_run`` (or ``record_paged_run``, which runs and traces) turns the run into a ``Trace``
+(each request's prompt, its output lengths and tokens, the engine step at which it was added, the
+engine's pool and limits; for beam search, each step's choice, which ``record_paged_run`` watches
+with a ``BeamRecorder`` on ``engine.observers``), which ``Trace.save``/``load`` keep as JSON. ``replay_trace`` runs it through an allocator
 (``replay.simulate``); through the paged one it reproduces the engine's own ``StepRecord`` counts
 exactly. Used by notebook 05 (``05_fragmentation_visualizer``)
 and ``visualizer.FragmentationVisualizer.load_trace``.
@@ -14,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..engines.observe import StepEvent
 from ..request import Request
 from .accounting import SimConfig, SimResult
 from .replay import simulate
@@ -65,11 +67,25 @@ class Trace:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def trace_from_run(result, requests: list[Request], engine, source: str = "") -> Trace:
+class BeamRecorder:
+    """An observer: each beam-search choice, by request id, as ``BeamChoice.to_list()``."""
+
+    def __init__(self):
+        self.choices: dict[str, list] = {}
+
+    def __call__(self, event: StepEvent) -> None:
+        if event.phase == "beam":
+            self.choices.setdefault(event.request_id, []).append(event.data.to_list())
+
+
+def trace_from_run(result, requests: list[Request], engine, source: str = "",
+                   beam_choices: dict[str, list] | None = None) -> Trace:
     """A ``Trace`` of ``engine.run(requests)`` (a ``PagedEngine``; ``result`` is its RunResult).
 
     The engine itself recorded when each request was added (``Request.added_step``) and adds
-    them in order of arrival (a stable sort), which is the order the trace keeps."""
+    them in order of arrival (a stable sort), which is the order the trace keeps. A beam search
+    replays from its choices (``beam_choices``, request id -> list: a ``BeamRecorder``'s, which
+    ``record_paged_run`` keeps for you)."""
     from ..core.engine import PagedEngine
     from ..request import FinishReason as FR
 
@@ -91,11 +107,17 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "") ->
             raise ValueError(f"{req.request_id} was not added by Engine.run: trace a run of "
                              "engine.run(requests) (or LLM.run)")
         step = req.added_step
+        choices = None
+        if req.params.beam_width > 1:
+            choices = (beam_choices or {}).get(req.request_id)
+            if choices is None:
+                raise ValueError(f"{req.request_id} is a beam search: its choices are needed to "
+                                 "replay it; trace it with record_paged_run (it watches them)")
         samples = out.samples if out.samples else [out.token_ids]
         sims.append(SimRequest(req.request_id, list(req.prompt_token_ids),
                                [len(s) for s in samples], req.params.max_tokens, step,
                                req.priority, [list(s) for s in samples], req.params.beam_width,
-                               req.beam_choices if req.params.beam_width > 1 else None))
+                               choices))
     sched = engine.scheduler
     return Trace(sims, engine.block_size, engine.block_manager.num_blocks,
                  sched.max_num_batched_tokens, sched.max_num_seqs,
@@ -115,8 +137,9 @@ def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progr
     if engine.total_steps:
         raise ValueError("record a trace on a fresh engine (this one has already run "
                          f"{engine.total_steps} steps): create a new LLM/PagedEngine")
-    result = engine.run(requests, on_step=on_step, progress=progress)
-    return result, trace_from_run(result, requests, engine, source)
+    with engine.observers.watching(BeamRecorder()) as beams:
+        result = engine.run(requests, on_step=on_step, progress=progress)
+    return result, trace_from_run(result, requests, engine, source, beams.choices)
 
 
 def replay_trace(trace: Trace, allocator: str = "paged", **overrides) -> SimResult:

@@ -26,6 +26,7 @@ from ...request import Request, SpecStats, stop_reason
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .rejection import accept
+from .trace import Verification
 
 
 class SpeculativeEngine(PagedEngine):
@@ -47,10 +48,6 @@ class SpeculativeEngine(PagedEngine):
                                           self.block_manager.num_blocks)
         self.proposer = proposer
         self.run_stats = SpecStats()     # this run's totals (``run_extra`` reports them)
-        # Notebook 06: set ``trace = []`` to record each verification (guesses, kept tokens) and,
-        # in ``verify_snapshots``, the pool at each step's fullest (before the rollback).
-        self.trace: list[dict] | None = None
-        self.verify_snapshots: list = []
 
     # --- proposing --------------------------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:
@@ -83,10 +80,8 @@ class SpeculativeEngine(PagedEngine):
     # --- verifying --------------------------------------------------------------------------------
     def verify(self, lookahead: dict[Sequence, torch.Tensor]) -> dict[Sequence, list[int]]:
         """For each sequence with guesses, the tokens it keeps: the acceptance rule over its 1 + k
-        rows of logits (``rejection.py``), cut after a token that ends the request. The guesses'
-        K/V are written by now: the pool is at its fullest (``verify_snapshots``)."""
-        if self.trace is not None:
-            self.verify_snapshots.append(self.snapshot())
+        rows of logits (``rejection.py``), cut after a token that ends the request. Observers
+        receive each as a ``Verification`` (notebook 06 draws them: ``trace.SpecTrace``)."""
         accepted = {seq: self._verify(seq, rows) for seq, rows in lookahead.items()}
         verify_ms = (time.perf_counter() - self._proposed_at) * 1000.0
         for seq in lookahead:
@@ -102,10 +97,9 @@ class SpeculativeEngine(PagedEngine):
         kept = self._until_stop(seq, kept, n_before)
         accepted = next((i for i, (a, b) in enumerate(zip(kept, guesses)) if a != b),
                         min(len(kept), len(guesses)))
-        if self.trace is not None:
-            self.trace.append({"step": self.total_steps + 1, "request_id": seq.request.request_id,
-                               "context": n_before, "guesses": list(guesses),
-                               "kept": list(kept), "num_accepted": accepted})
+        if self.observers:
+            self.observers.emit("verified", seq.request.request_id,
+                                Verification(n_before, tuple(guesses), tuple(kept), accepted))
         self._count(seq.request, SpecStats(1, len(guesses), accepted, len(kept)))
         return kept
 

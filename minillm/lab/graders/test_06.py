@@ -17,6 +17,7 @@ import random
 import torch
 
 from minillm import LLM, SamplingParams
+from minillm.engines.r6_speculative.engine import SpeculativeEngine
 from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled, accept_seeded
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 from minillm.request import Request
@@ -67,9 +68,9 @@ def run_half_right(tiny, params: SamplingParams) -> None:
     refs = {o.request_id: o.token_ids for o in plain.outputs}
     if params.greedy:      # the plain engine itself equals Hugging Face ``generate``
         assert_greedy_match(refs["r0"], hf_greedy(tiny, prompts[0], 16), label="r0 (plain)")
-    llm = LLM(tiny, engine="paged+ngram", num_speculative_tokens=3, block_size=4)
-    llm.engine.proposer = HalfRightProposer(refs)
-    res = llm.run(requests())
+    engine = SpeculativeEngine(tiny, proposer=HalfRightProposer(refs), speculative="ngram",
+                               num_speculative_tokens=3, block_size=4)
+    res = engine.run(requests())
     for out in res.outputs:
         assert out.token_ids == refs[out.request_id], (
             f"{out.request_id}: with speculation {out.token_ids}, without {refs[out.request_id]}")
