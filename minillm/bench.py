@@ -182,7 +182,10 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
         from .vllm_peer import token_agreement
         agreement = token_agreement(outputs["paged"], outputs["vllm-cpu"])
         print(f"  vLLM vs paged greedy tokens: {agreement}")
-        next(r for r in rows if r["engine"] == "vllm-cpu")["agreement_with_paged"] = agreement
+        vllm_row = next(r for r in rows if r["engine"] == "vllm-cpu")
+        vllm_row["agreement_with_paged"] = agreement
+        print(f"  vLLM's OpenMP threads bound to cores {vllm_row['extra']['omp_threads_bind']}; "
+              f"minillm: {torch.get_num_threads()} torch threads")
     base = next((r["output_tok_s"] for r in rows if r["engine"] == "naive"), None)
     for r in rows:
         r["speedup_vs_naive"] = r["output_tok_s"] / base if base else float("nan")
@@ -325,7 +328,8 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(format_table(rows))
     results = {"model": args.model, "requests": n, "naive_requests": n_naive, "rate": args.rate,
-               "seed": args.seed, "quick": args.quick, "table": rows, "experiments": {}}
+               "seed": args.seed, "quick": args.quick, "torch_threads": torch.get_num_threads(),
+               "table": rows, "experiments": {}}
     exps = [e for e in args.experiments.split(",") if e in EXPERIMENTS]
     runners = {"prefix": exp_prefix, "parallel": exp_parallel, "capacity": exp_capacity,
                "speculative": exp_speculative}

@@ -7,6 +7,12 @@ script *inside that environment* (``worker``: nothing of minillm is imported the
 back each request's tokens and timings, which become ``RequestOutput``s and the usual
 ``RunMetrics`` row. The model is the converted SmolLM2 directory (a plain Hugging Face directory,
 fp32); vLLM keeps its own defaults otherwise, and its block size is reported.
+
+Fair cores: vLLM's CPU build binds its OpenMP threads itself, and its automatic binding keeps
+one core for its front-end process; on a 2-core machine that leaves the model one core against
+minillm's two. The worker is therefore bound to the cores minillm computes on
+(``VLLM_CPU_OMP_THREADS_BIND``, ``cpu_binding``), unless that variable is already set; the
+binding used is reported with the row.
 """
 from __future__ import annotations
 
@@ -76,9 +82,39 @@ def ensure_venv() -> Path:
     return py
 
 
-def worker_env() -> dict:
-    # vLLM's compile cache fails to reload on this CPU build: compile afresh each run
-    return {**os.environ, "VLLM_USE_AOT_COMPILE": "0", "PYTHONPATH": ""}
+def format_cpus(cores: list[int]) -> str:
+    """CPU ids as a cpulist, the syntax ``VLLM_CPU_OMP_THREADS_BIND`` reads: [0, 1, 2, 5] ->
+    "0-2,5"."""
+    if not cores:
+        raise ValueError("no CPU to bind to")
+    parts, start = [], None
+    cores = sorted(set(cores))
+    for i, c in enumerate(cores):
+        start = c if start is None else start
+        if i + 1 == len(cores) or cores[i + 1] != c + 1:
+            parts.append(str(c) if c == start else f"{start}-{c}")
+            start = None
+    return ",".join(parts)
+
+
+def cpu_binding(threads: int | None = None) -> str:
+    """The cores minillm computes on: the first ``threads`` (default: this process's torch
+    threads) of the CPUs this process may run on."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    n = threads if threads is not None else torch.get_num_threads()
+    return format_cpus(allowed[:max(1, n)])
+
+
+def worker_env(threads: int | None = None) -> dict:
+    """The worker's environment: vLLM's threads bound to minillm's cores (``cpu_binding``;
+    a ``VLLM_CPU_OMP_THREADS_BIND`` already set wins), and its compile cache off (it fails to
+    reload on this CPU build: compile afresh each run)."""
+    env = {**os.environ, "VLLM_USE_AOT_COMPILE": "0", "PYTHONPATH": ""}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(threads))
+    return env
 
 
 def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
@@ -95,11 +131,12 @@ def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
         "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES,
         "prompts": [r.prompt_token_ids for r in requests],
         "max_tokens": [r.params.max_tokens for r in requests]}))
+    env = worker_env()
     r = subprocess.run([str(py), str(Path(__file__).resolve()), "worker", str(spec), str(out)],
-                       env=worker_env(), capture_output=True, text=True)
+                       env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"vLLM could not run the workload:\n{r.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"]}
 
 
 def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
@@ -119,6 +156,7 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     single = got["single_stream"]
     metrics.extra = {
         "block_size": got["block_size"], "vllm_version": got["vllm_version"],
+        "omp_threads_bind": got["omp_threads_bind"],
         "single_stream_ttft_s": [s["ttft_s"] for s in single],
         "single_stream_tok_s": sum(s["tokens"] for s in single) / sum(s["latency_s"] for s in single)
         if single else None}

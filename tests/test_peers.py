@@ -150,3 +150,23 @@ def test_vllm_is_a_bench_peer_that_never_enters_the_project_env():
     assert not any((getattr(n, "module", None) or n.names[0].name).startswith("minillm")
                    for n in imports)
     assert vllm_peer.worker_env()["VLLM_USE_AOT_COMPILE"] == "0"
+
+
+def test_vllm_is_bound_to_the_cores_minillm_computes_on(monkeypatch):
+    """vLLM's automatic binding keeps a core for its front-end (one of two on a 2-core machine):
+    the peer gets minillm's cores instead, unless the user chose a binding."""
+    import os
+
+    from minillm import vllm_peer
+    assert vllm_peer.format_cpus([1, 0]) == "0-1"
+    assert vllm_peer.format_cpus([0, 2, 3, 4, 7]) == "0,2-4,7"
+    assert vllm_peer.format_cpus([5]) == "5"
+    with pytest.raises(ValueError, match="no CPU"):
+        vllm_peer.format_cpus([])
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert vllm_peer.worker_env(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == str(allowed[0])
+    assert vllm_peer.worker_env(threads=10_000)["VLLM_CPU_OMP_THREADS_BIND"] == \
+        vllm_peer.format_cpus(allowed)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert vllm_peer.worker_env(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
