@@ -22,6 +22,7 @@ from ..request import check_int
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
+LINEAR_BACKENDS = ("torch", "onednn")
 
 
 def option(default, help: str, *, aliases: tuple[str, ...] = (), name: str | None = None):
@@ -92,13 +93,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """How the model runs: the attention backend (rung 3's torch reference, rung 4's kernels)."""
+    """How the model runs: the attention backend (rung 3's torch reference, rung 4's kernels) and
+    the kernel of the linear layers (core/linear.py)."""
 
     attention_backend: str | None = option(
         None, "paged: attention backend, torch, cpp or triton (default: triton on CUDA, cpp on "
               "CPU where a C++ compiler builds it, else torch)", aliases=("--attention",))
+    linear_backend: str | None = option(
+        None, "paged: linear-layer kernel, torch (F.linear) or onednn (weights reordered once; "
+              "default for fp32 on the CPU where it works, else torch)")
 
     def __post_init__(self):
+        if self.linear_backend not in (None, *LINEAR_BACKENDS):
+            raise ValueError(f"unknown linear_backend {self.linear_backend!r}: choose "
+                             f"{' or '.join(map(repr, LINEAR_BACKENDS))}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose "
                              f"{', '.join(map(repr, ATTENTION_BACKENDS[:-1]))} or "
@@ -171,6 +179,7 @@ def build_configs(configs: tuple[type, ...], options: dict, owner: str) -> list:
     return out
 
 
-__all__ = ["ATTENTION_BACKENDS", "CacheConfig", "DEFAULT_KV_CACHE_BYTES", "ModelConfig", "Option",
+__all__ = ["ATTENTION_BACKENDS", "CacheConfig", "DEFAULT_KV_CACHE_BYTES", "LINEAR_BACKENDS",
+           "ModelConfig", "Option",
            "POLICIES", "SchedulerConfig", "build_configs", "config_attr", "option", "option_value",
            "options_of"]

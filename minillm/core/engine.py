@@ -24,6 +24,7 @@ from .attention import get_attention_backend
 from .beam import select_beams as core_select_beams
 from .block_manager import BlockManager
 from .config import CacheConfig, ModelConfig, SchedulerConfig
+from .linear import get_linear_kernel
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
@@ -73,7 +74,13 @@ class PagedEngine(Engine):
     def make_runner(self, num_blocks: int, block_size: int, backend) -> ModelRunner:
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
         extension point later rungs override (rung 7 runs a stage of the layers)."""
-        return ModelRunner(self.model, num_blocks, block_size, backend)
+        return ModelRunner(self.model, num_blocks, block_size, backend,
+                           linear_kernel=self.linear_kernel())
+
+    def linear_kernel(self):
+        """The kernel of the linear layers ``model_config.linear_backend`` names (linear.py)."""
+        return get_linear_kernel(self.model_config.linear_backend, self.model.device,
+                                 self.model.dtype)
 
     # --- requests ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:

@@ -8,6 +8,8 @@ token, some prefilling a chunk). So we read HF's weights and write the forward o
 
 Shapes: a step's tokens are flat, ``[T]``; hidden states are ``[T, hidden]``. Two HF matmuls are
 fused for speed (q/k/v into one, gate/up into one): same math, fewer passes over the activations.
+Every matrix product is a ``Linear`` (linear.py): the kernel that computes it (F.linear, or oneDNN
+on weights reordered once, the CPU default) is chosen when the model is built (notebook 04).
 """
 from __future__ import annotations
 
@@ -18,23 +20,25 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from .attention.reference import AttentionMetadata, paged_attention
+from .linear import Linear, get_linear_kernel
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor             # [(H + 2*KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear                   # weight [(H + 2*KVH) * D, hidden] (+ Qwen2's bias)
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor         # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear               # weight [2 * intermediate, hidden]
+    down: Linear
 
 
 class PagedLlama:
     """A functional Llama/Qwen2 decoder that reads K/V from paged pools."""
 
-    def __init__(self, hf_model: torch.nn.Module):
+    def __init__(self, hf_model: torch.nn.Module, linear_kernel=None):
+        """``linear_kernel``: what computes the matrix products (``get_linear_kernel``'s choice
+        for the model's device and dtype by default)."""
         c = hf_model.config
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
@@ -43,23 +47,27 @@ class PagedLlama:
         self.scale = self.head_dim ** -0.5
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         self.embed = sd["model.embed_tokens.weight"]
-        self.lm_head = hf_model.get_output_embeddings().weight.detach()  # tied or not
+        k = self.linear_kernel = linear_kernel or get_linear_kernel(None, self.embed.device,
+                                                                    self.embed.dtype)
+        self.lm_head = Linear(hf_model.get_output_embeddings().weight.detach(), None, k)  # tied or not
         self.final_norm = sd["model.norm.weight"]
-        self.layers = [self._layer(sd, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
+        self.layers = [self._layer(sd, f"model.layers.{i}.", k)
+                       for i in range(c.num_hidden_layers)]
         self.cos, self.sin = self._rope_tables(hf_model, c.max_position_embeddings)
 
     @staticmethod
-    def _layer(sd: dict, p: str) -> LayerWeights:
+    def _layer(sd: dict, p: str, kernel) -> LayerWeights:
         a = p + "self_attn."
         bias = [sd.get(a + n + "_proj.bias") for n in "qkv"]
         return LayerWeights(
             input_norm=sd[p + "input_layernorm.weight"],
-            qkv=torch.cat([sd[a + n + "_proj.weight"] for n in "qkv"]),
-            qkv_bias=torch.cat(bias) if bias[0] is not None else None,
-            o=sd[a + "o_proj.weight"],
+            qkv=Linear(torch.cat([sd[a + n + "_proj.weight"] for n in "qkv"]),
+                       torch.cat(bias) if bias[0] is not None else None, kernel),
+            o=Linear(sd[a + "o_proj.weight"], None, kernel),
             post_norm=sd[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
-            down=sd[p + "mlp.down_proj.weight"])
+            gate_up=Linear(torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                      sd[p + "mlp.up_proj.weight"]]), None, kernel),
+            down=Linear(sd[p + "mlp.down_proj.weight"], None, kernel))
 
     @staticmethod
     def _rope_tables(hf_model, max_len: int):
@@ -93,7 +101,11 @@ class PagedLlama:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a next token are projected: the vocab matmul is expensive."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.out_features
 
     # --- the pieces of ``forward``; a pipeline stage (rung 7, minillm/engines/r7_pipeline) runs
     # only its slice of the layers: the first stage embeds, the last applies the final norm.
@@ -109,17 +121,17 @@ class PagedLlama:
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         for w, (k_cache, v_cache) in zip(self.layers[start:end], kv_caches):
             x = self.rms_norm(h, w.input_norm)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = w.qkv(x)
             # q and k sit side by side in qkv: rotate all their heads in one go
             qk = self.rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
             with record_function("minillm::attention"):
                 attn = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(-1, H * D), w.o)
+            h = w.o(attn.reshape(-1, H * D), residual=h)           # h + attn @ W_o.T
             x = self.rms_norm(h, w.post_norm)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = w.down(F.silu(gate) * up, residual=h)
         return h
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:

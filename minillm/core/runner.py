@@ -43,13 +43,15 @@ class ModelRunner:
 
     def __init__(self, model: LoadedModel | None, num_blocks: int, block_size: int, backend, *,
                  net: PagedLlama | None = None, layers: range | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-        """``net`` defaults to ``PagedLlama(model.hf_model)`` (its weights, read once),
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 linear_kernel=None):
+        """``net`` defaults to ``PagedLlama(model.hf_model, linear_kernel)`` (its weights, read
+        once; ``linear_kernel``: see core/linear.py),
         ``layers`` to all of them, ``device`` and ``dtype`` to the model's; without ``model``,
         give all three."""
         if model is None and (net is None or device is None or dtype is None):
             raise ValueError("ModelRunner needs a model, or net=, device= and dtype=")
-        self.net = net if net is not None else PagedLlama(model.hf_model)
+        self.net = net if net is not None else PagedLlama(model.hf_model, linear_kernel)
         self.layers = layers if layers is not None else range(len(self.net.layers))
         n = len(self.net.layers)
         if self.layers.step != 1 or not 0 <= self.layers.start <= self.layers.stop <= n:
@@ -138,7 +140,7 @@ class ModelRunner:
             hidden = self.net.final_hidden(self.forward(ids, pos, meta))
         want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
-            return [], hidden.new_empty((0, self.net.lm_head.shape[0]))
+            return [], hidden.new_empty((0, self.net.vocab_size))
         idx = torch.tensor([i for k in want for i in
                             range(last[k] - len(order[k][0].spec_token_ids), last[k] + 1)],
                            device=self.device)

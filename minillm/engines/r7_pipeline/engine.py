@@ -101,8 +101,8 @@ class PipelineEngine(PagedEngine):
         theirs from the same ``stage_config``, which ``__init__`` sends them once they are up."""
         self.stage_config = StageConfig(self.parallel_config.pipeline_parallel_size, num_blocks,
                                         block_size, self.model_config.attention_backend)
-        return StageRunner(PagedLlama(self.model.hf_model), 0, self.stage_config, backend,
-                           self.model.device, self.model.dtype)
+        return StageRunner(PagedLlama(self.model.hf_model, self.linear_kernel()), 0,
+                           self.stage_config, backend, self.model.device, self.model.dtype)
 
     # --- one step: fill the pipeline, then finish its oldest micro-batch ---------------------------
     def has_unfinished(self) -> bool:
@@ -165,7 +165,7 @@ class PipelineEngine(PagedEngine):
         return True
 
     def _receive(self, mb: MicroBatch) -> torch.Tensor:
-        vocab = self.runner.net.lm_head.shape[0]
+        vocab = self.runner.net.vocab_size
         if not mb.reached:
             return torch.empty((0, vocab))
         return self.comm.recv((len(mb.reached), vocab), torch.float32,

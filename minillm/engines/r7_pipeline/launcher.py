@@ -190,11 +190,14 @@ def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0, **rank0_o
     sends each stage what it needs."""
     from ...models import load_model
 
+    from ...core.linear import get_linear_kernel
+
     device = torchrun_device()
     model = load_model(model_name, device)
     comm = group_from_env(device, pipeline_timeout_s)
+    kernel = get_linear_kernel(rank0_options.get("linear_backend"), device, model.dtype)
     try:
-        run_worker(comm, PagedLlama(model.hf_model))
+        run_worker(comm, PagedLlama(model.hf_model, kernel))
     except PipelineError as e:
         print(f"[minillm pipeline] {e}", file=sys.stderr)
         return 1

@@ -135,7 +135,7 @@ class StageRunner(ModelRunner):
         if not self.is_last:
             return h
         if not inputs.logit_rows:
-            return h.new_empty((0, self.net.lm_head.shape[0]), dtype=torch.float32)
+            return h.new_empty((0, self.net.vocab_size), dtype=torch.float32)
         # Norm every row, then pick, exactly as PagedLlama.forward + ModelRunner.run do.
         idx = torch.tensor(inputs.logit_rows, device=self.device)
         return self.net.logits(self.net.final_hidden(h)[idx])

@@ -1,0 +1,119 @@
+"""Linear-layer kernels: who multiplies the activations by a weight matrix (notebook 04).
+
+A decode step of a 135M-parameter model is mostly matrix products: ~3/4 of it at 128 rows on a
+CPU (``make profile``). The same product can cost twice as much depending on the library that
+computes it, so the kernel is a choice, like the attention backend:
+
+* ``torch`` -- ``F.linear``: PyTorch's default, a BLAS call (MKL on x86) that repacks the weight
+  into its own tiled layout on *every* call; cuBLAS on a GPU.
+* ``onednn`` -- the weight is reordered once, at load time, into oneDNN's blocked layout for
+  this CPU (``torch.ops.mkldnn._reorder_linear_weight``: what ``torch.compile`` does with
+  ``freezing=True``), and each product reads it as it lies. A residual add rides along as a
+  post-op (``h + x @ W.T`` in one pass over ``h``). ``make profile`` measures both chains.
+
+``get_linear_kernel`` picks one by name, device and dtype; a ``Linear`` is one weight matrix with
+the kernel's own copy of it. Both kernels compute the same fp32 product (they differ in the
+order of the additions, ~1e-6 relative); the engine's tests compare tokens with Hugging Face's.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .config import LINEAR_BACKENDS
+# oneDNN picks its blocked layout for an expected number of rows; any number of rows then runs
+# (measured on the lab CPU: a layout for 16 rows or for 128 differs by < 5% at 1-256 rows).
+ROWS_HINT = 128
+
+
+class TorchLinear:
+    name = "torch"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def __call__(self, x, packed, bias=None, residual=None):
+        y = F.linear(x, packed, bias)
+        return y if residual is None else residual + y
+
+
+class OneDNNLinear:
+    """oneDNN's fp32 GEMM on weights reordered once (CPU only)."""
+
+    name = "onednn"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        # an opaque tensor: same shape, oneDNN's memory layout, no storage Python can read
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
+
+    def __call__(self, x, packed, bias=None, residual=None):
+        x = x.contiguous()
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), packed, bias,
+                                                         "add")
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` (+ ``residual``), computed by ``kernel`` on its own copy of
+    the weight. ``weight`` stays the plain tensor (slice it, save it, compare it); the packed
+    copy is rebuilt wherever a ``Linear`` is unpickled (a pipeline worker, rung 7), because a
+    oneDNN layout belongs to the process and the CPU that made it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel):
+        self.weight, self.bias, self.kernel = weight, bias, kernel
+        self.packed = kernel.pack(weight)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.bias, residual)
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __reduce__(self):
+        return Linear, (self.weight, self.bias, self.kernel)
+
+
+@functools.cache
+def onednn_works() -> bool:
+    """oneDNN's linear ops exist in this torch build and agree with ``F.linear`` on a small
+    product (false on builds without oneDNN, e.g. some non-x86 wheels)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w, x, r = (torch.randn(s, generator=g) for s in ((24, 40), (5, 40), (5, 24)))
+        k = OneDNNLinear()
+        y, yr = k(x, k.pack(w)), k(x, k.pack(w), residual=r)
+        ref = F.linear(x, w)
+        return bool(torch.allclose(y, ref, atol=1e-4) and torch.allclose(yr, r + ref, atol=1e-4))
+    except Exception:   # missing op, unsupported CPU: the torch kernel always works
+        return False
+
+
+def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
+    """``torch`` or ``onednn``. By default onednn for fp32 on the CPU where it works, torch
+    otherwise (a GPU's cuBLAS needs no help; other CPU dtypes stay on torch's path). Asking for
+    onednn where it cannot run warns once and uses torch: same tokens, slower."""
+    device = torch.device(device)
+    if name is None:
+        fits = device.type == "cpu" and dtype == torch.float32
+        return OneDNNLinear() if fits and onednn_works() else TorchLinear()
+    if name == "torch":
+        return TorchLinear()
+    if name == "onednn":
+        if device.type == "cpu" and dtype == torch.float32 and onednn_works():
+            return OneDNNLinear()
+        warnings.warn(f"linear_backend='onednn' cannot run here (device {device.type}, dtype "
+                      f"{dtype}, oneDNN {'works' if onednn_works() else 'unavailable'}): using "
+                      f"torch's F.linear", RuntimeWarning, stacklevel=2)
+        return TorchLinear()
+    raise ValueError(f"unknown linear_backend {name!r}: choose 'torch' or 'onednn'")
+
+
+__all__ = ["LINEAR_BACKENDS", "Linear", "OneDNNLinear", "TorchLinear", "get_linear_kernel",
+           "onednn_works"]
