@@ -5,9 +5,13 @@ answer), then K decode steps are timed, and one more batch of steps runs under `
 to split the step into components: the linear layers, attention (everything inside
 ``paged_attention``: writing the new K/V, reading the cache, the softmax), the rest of the forward
 (norms, RoPE, embedding), the vocabulary projection, sampling, and the engine's own Python
-(scheduling, block manager, postprocess). Beside each row: the same model's linear layers alone
-on N rows, the floor a decode step can approach on this machine. Speed is a ratio measured in one
-run: the machine is noisy; targets live here and in ``make bench``, never in timed tests.
+(scheduling, block manager, postprocess).
+
+Beside each row, the floor: the same model's linear layers alone on N rows, through the fastest
+linear kernel here (oneDNN on weights reordered once, as ``torch.compile(freezing=True)`` would
+run them; core/linear.py), and how close that chain comes to this CPU's fp32 matmul peak (a large
+square GEMM through the same kernel). "ratio" = step time / that chain. Speed is a ratio measured
+in one run: the machine is noisy; targets live here and in ``make bench``, never in timed tests.
 """
 from __future__ import annotations
 
@@ -16,20 +20,24 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from .core.linear import Linear, get_linear_kernel
+from .core.model import PagedLlama
 
 COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engine python")
 
 
-def steady_engine(model, rows: int, context: int, backend: str | None = None):
+def steady_engine(model, rows: int, context: int, backend: str | None = None,
+                  linear: str | None = None):
     """A paged engine with ``rows`` sequences, each ``context`` tokens long and decoding."""
     from .llm import LLM
     from .request import Request, SamplingParams
 
     blocks = rows * (-(-(context + 64) // 16)) + 8
     llm = LLM(model, engine="paged", block_size=16, num_blocks=blocks, max_num_seqs=rows,
-              max_num_batched_tokens=max(2048, context), attention_backend=backend)
+              max_num_batched_tokens=max(2048, context), attention_backend=backend,
+              linear_backend=linear)
     engine = llm.engine
     prompt = list(range(100, 100 + context))       # distinct prompts: no prefix-cache sharing
     for i in range(rows):
@@ -50,31 +58,53 @@ def time_steps(engine, steps: int) -> list[float]:
     return out
 
 
-def linear_floor_ms(net, rows: int, repeats: int = 5) -> float:
-    """Every linear layer of the model (and the vocabulary projection) on ``rows`` rows."""
-    x = torch.randn(rows, net.embed.shape[1], dtype=net.embed.dtype)
-    inter = net.layers[0].down.shape[1]
-    y = torch.randn(rows, inter, dtype=net.embed.dtype)
-    a = torch.randn(rows, net.layers[0].o.shape[1], dtype=net.embed.dtype)
+def linear_chain(net, rows: int):
+    """Every linear layer of ``net`` (and the vocabulary projection) on ``rows`` rows, through
+    its own ``Linear`` kernels: a function running it once, and its FLOPs."""
+    dtype = net.embed.dtype
+    x = torch.randn(rows, net.embed.shape[1], dtype=dtype)
+    y = torch.randn(rows, net.layers[0].down.weight.shape[1], dtype=dtype)
+    a = torch.randn(rows, net.layers[0].o.weight.shape[1], dtype=dtype)
 
     def once():
         for w in net.layers:
-            F.linear(x, w.qkv), F.linear(a, w.o), F.linear(x, w.gate_up), F.linear(y, w.down)
-        F.linear(x, net.lm_head)
-    once()
+            w.qkv(x), w.o(a), w.gate_up(x), w.down(y)
+        net.lm_head(x)
+    linears = [lin for w in net.layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+    flops = 2 * rows * sum(lin.weight.numel() for lin in [*linears, net.lm_head])
+    return once, flops
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()                                            # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        once()
+        fn()
         times.append((time.perf_counter() - t) * 1000)
     return statistics.median(times)
+
+
+def linear_floor_ms(net, rows: int, repeats: int = 5) -> tuple[float, float]:
+    """(ms, GFLOP/s) of ``linear_chain`` on ``rows`` rows."""
+    once, flops = linear_chain(net, rows)
+    ms = median_ms(once, repeats)
+    return ms, flops / ms / 1e6
+
+
+def matmul_peak_gflops(kernel, n: int = 2048, repeats: int = 3) -> float:
+    """fp32 GFLOP/s of one n x n x n product through ``kernel``: what this CPU's cores can do
+    when the data fits the caches' reuse pattern best."""
+    lin = Linear(torch.randn(n, n), None, kernel)
+    x = torch.randn(n, n)
+    return 2 * n ** 3 / median_ms(lambda: lin(x), repeats) / 1e6
 
 
 def classify(name: str) -> str | None:
     if name.startswith("minillm::"):
         return name.removeprefix("minillm::")
-    if name == "aten::linear":         # inclusive time: its addmm/mm are inside it
-        return "linear"
+    if name in ("aten::linear", "mkldnn::_linear_pointwise"):   # torch's / oneDNN's kernel
+        return "linear"                # (inclusive time: aten::linear's addmm/mm are inside it)
     return None
 
 
@@ -109,29 +139,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default=None,
                    help="attention backend(s), comma-separated: torch, cpp, triton (default: the "
                         "engine's default); several backends alternate row by row in one run")
+    p.add_argument("--linear", default=None,
+                   help="the engine's linear kernel(s), comma-separated: torch, onednn (default: "
+                        "the engine's default); the floor always uses the fastest kernel here")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, one per core)")
     args = p.parse_args(argv)
     from .engines import get_attention_backend
     from .models import load_model
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model(args.model)
     backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
-    print(f"decode step, {args.context} tokens of context, {args.threads} thread(s)\n")
-    head = f"{'rows':>5} {'attention':>9} {'ms/step':>8} {'tok/s':>7} {'linear alone':>12} " \
-        f"{'ratio':>6}  " + "  ".join(f"{c:>13}" for c in COMPONENTS)
+    fastest = get_linear_kernel(None, model.device, model.dtype)
+    linears = (args.linear or fastest.name).split(",")
+    peak = matmul_peak_gflops(fastest)
+    floor_net = PagedLlama(model.hf_model, fastest)
+    print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s); "
+          f"fp32 matmul peak {peak:.0f} GFLOP/s ({fastest.name}, 2048^3)\n")
+    head = f"{'rows':>5} {'attention':>9} {'linear':>6} {'ms/step':>8} {'tok/s':>7} " \
+        f"{'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
+        "  ".join(f"{c:>13}" for c in COMPONENTS)
     print(head)
     for rows in (int(r) for r in args.rows.split(",")):
         for backend in backends:
-            llm = steady_engine(model, rows, args.context, backend)
-            ms = statistics.median(time_steps(llm.engine, args.steps))
-            parts = breakdown(llm.engine, max(2, args.steps // 2))
-            floor = linear_floor_ms(llm.engine.runner.net, rows)
-            shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%" for c in COMPONENTS)
-            print(f"{rows:>5} {llm.engine.backend.name:>9} {ms:>8.1f} {rows * 1000 / ms:>7.0f} "
-                  f"{floor:>10.1f}ms {ms / floor:>6.2f}  {shares}", flush=True)
-            del llm
+            for linear in linears:
+                llm = steady_engine(model, rows, args.context, backend, linear)
+                ms = statistics.median(time_steps(llm.engine, args.steps))
+                parts = breakdown(llm.engine, max(2, args.steps // 2))
+                floor, gflops = linear_floor_ms(floor_net, rows)
+                shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%"
+                                   for c in COMPONENTS)
+                print(f"{rows:>5} {llm.engine.backend.name:>9} {linear:>6} {ms:>8.1f} "
+                      f"{rows * 1000 / ms:>7.0f} {floor:>7.1f}ms {ms / floor:>6.2f} "
+                      f"{gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}", flush=True)
+                del llm
     return 0
 
 

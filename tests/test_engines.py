@@ -13,7 +13,8 @@ ENGINE_CONFIGS = {
     "naive": {},
     "static": {"batch_size": 3},
     "dynamic": {"max_num_seqs": 3},
-    "paged": {},
+    "paged": {},                                                      # onednn linears on CPU
+    "paged-torch-linear": {"linear_backend": "torch"},                # F.linear
     "paged-tiny-pool": {"num_blocks": 12, "block_size": 8},          # forces preemption
     "paged-chunked": {"max_num_batched_tokens": 7},                   # forces chunked prefill
     "paged-prefix": {"enable_prefix_caching": True, "block_size": 4, "max_num_seqs": 1},

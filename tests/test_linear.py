@@ -1,0 +1,104 @@
+"""The linear-layer kernels (core/linear.py): oneDNN on reordered weights computes what
+``F.linear`` does, survives pickling (pipeline workers), and where it cannot run the engine falls
+back to torch with one warning and the same tokens."""
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import random_prompts
+from minillm import LLM, SamplingParams
+from minillm.core import linear as linear_mod
+from minillm.core.config import ModelConfig
+from minillm.core.linear import Linear, OneDNNLinear, TorchLinear, get_linear_kernel, onednn_works
+
+needs_onednn = pytest.mark.skipif(not onednn_works(), reason="no oneDNN in this torch build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 7, 130])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_onednn_equals_f_linear(rows, bias, residual):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 48, generator=g)[:, 3:43]          # a non-contiguous view
+    r = torch.randn(rows, 96, generator=g) if residual else None
+    lin = Linear(w, b, OneDNNLinear())
+    want = F.linear(x, w, b) + (r if residual else 0)
+    got = lin(x, residual=r)
+    assert got.shape == (rows, 96)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert lin.packed.is_mkldnn and not lin.weight.is_mkldnn   # the plain weight is kept
+
+
+@pytest.mark.parametrize("kernel", [TorchLinear(), pytest.param(OneDNNLinear(),
+                                                                 marks=needs_onednn)])
+def test_linear_pickles_and_repacks(kernel):
+    """A pipeline worker receives the model by pickle: each Linear is rebuilt, packed again."""
+    w, b, x = torch.randn(16, 8), torch.randn(16), torch.randn(3, 8)
+    lin = Linear(w, b, kernel)
+    copy = pickle.loads(pickle.dumps(lin))
+    assert copy.kernel.name == kernel.name and copy.packed is not lin.packed
+    torch.testing.assert_close(copy(x), lin(x), rtol=0, atol=0)
+    assert copy.out_features == 16
+
+
+def test_kernel_choice():
+    cpu = torch.device("cpu")
+    assert get_linear_kernel("torch", cpu, torch.float32).name == "torch"
+    assert get_linear_kernel(None, cpu, torch.float64).name == "torch"     # oneDNN: fp32 only
+    assert get_linear_kernel(None, cpu, torch.float32).name == \
+        ("onednn" if onednn_works() else "torch")
+    with pytest.warns(RuntimeWarning, match="linear_backend='onednn' cannot run here"):
+        assert get_linear_kernel("onednn", cpu, torch.float64).name == "torch"
+    with pytest.raises(ValueError, match="unknown linear_backend 'mkl'"):
+        get_linear_kernel("mkl", cpu, torch.float32)
+    with pytest.raises(ValueError, match="linear_backend 'blas'"):
+        ModelConfig(linear_backend="blas")
+
+
+def test_engine_falls_back_without_onednn(tiny, monkeypatch):
+    """A torch build whose oneDNN fails the probe: the default engine runs F.linear silently,
+    ``linear_backend='onednn'`` warns once, and both give the tokens the onednn engine gives."""
+    prompts = random_prompts(6, seed=5)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    fast = LLM(tiny, engine="paged", block_size=4)
+    want = [o.token_ids for o in fast.generate(prompts, params)]
+    monkeypatch.setattr(linear_mod, "onednn_works", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        default = LLM(tiny, engine="paged", block_size=4)
+        asked = LLM(tiny, engine="paged", block_size=4, linear_backend="onednn")
+    ours = [w for w in caught if "linear_backend" in str(w.message)]
+    assert len(ours) == 1 and "using torch's F.linear" in str(ours[0].message)
+    for llm in (default, asked):
+        assert llm.engine.runner.net.linear_kernel.name == "torch"
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_profile_floor_counts_every_linear_layer(tiny, capsys):
+    """``make profile``'s floor runs every matrix product of the model: its FLOPs are 2 x rows x
+    the weights of all the HF model's nn.Linear modules (lm_head included), and a run on the
+    tiny model prints one row per row count with its ratio to that floor."""
+    from minillm import profile_step
+    from minillm.core.model import PagedLlama
+
+    net = PagedLlama(tiny.hf_model)
+    weights = sum(m.weight.numel() for m in tiny.hf_model.modules()
+                  if isinstance(m, torch.nn.Linear))
+    _, flops = profile_step.linear_chain(net, rows=5)
+    assert flops == 2 * 5 * weights
+    assert profile_step.main(["--model", "tiny-llama", "--rows", "1,3", "--steps", "2",
+                              "--context", "9", "--backend", "torch",
+                              "--linear", "torch,onednn" if onednn_works() else "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 matmul peak" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["3"])]
+    assert [r[0] for r in rows] == (["1", "1", "3", "3"] if onednn_works() else ["1", "3"])
+    assert all(float(r[6]) > 0 for r in rows)          # the ratio column

