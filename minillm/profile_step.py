@@ -22,7 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .core.linear import Linear, get_linear_kernel
+from .core.linear import get_linear_kernel, matmul_gflops
 from .core.model import PagedLlama
 
 COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engine python")
@@ -92,14 +92,6 @@ def linear_floor_ms(net, rows: int, repeats: int = 5) -> tuple[float, float]:
     return ms, flops / ms / 1e6
 
 
-def matmul_peak_gflops(kernel, n: int = 2048, repeats: int = 3) -> float:
-    """fp32 GFLOP/s of one n x n x n product through ``kernel``: what this CPU's cores can do
-    when the data fits the caches' reuse pattern best."""
-    lin = Linear(torch.randn(n, n), None, kernel)
-    x = torch.randn(n, n)
-    return 2 * n ** 3 / median_ms(lambda: lin(x), repeats) / 1e6
-
-
 def classify(name: str) -> str | None:
     if name.startswith("minillm::"):
         return name.removeprefix("minillm::")
@@ -155,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
     fastest = get_linear_kernel(None, model.device, model.dtype)
     linears = (args.linear or fastest.name).split(",")
-    peak = matmul_peak_gflops(fastest)
+    peak = matmul_gflops(fastest)
     floor_net = PagedLlama(model.hf_model, fastest)
     print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s); "
           f"fp32 matmul peak {peak:.0f} GFLOP/s ({fastest.name}, 2048^3)\n")

@@ -4,6 +4,9 @@ back to torch with one warning and the same tokens."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -102,3 +105,32 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["3"])]
     assert [r[0] for r in rows] == (["1", "1", "3", "3"] if onednn_works() else ["1", "3"])
     assert all(float(r[6]) > 0 for r in rows)          # the ratio column
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+def test_freed_activations_are_reused_without_page_faults():
+    """A step's big temporaries, freed and allocated again next step: after
+    ``keep_freed_memory`` (called by every CPU ModelRunner) the pages are reused, with no page
+    faults; glibc's default unmaps such blocks and faults them in again (see runner.py)."""
+    code = textwrap.dedent("""
+        import resource, sys, torch
+        from minillm.core.runner import keep_freed_memory
+        if sys.argv[1] == "keep":
+            assert keep_freed_memory()
+        def step():
+            h = torch.ones(1024, 576)
+            for _ in range(6):             # a layer: big temporaries, freed in turn
+                a, b = torch.ones(1024, 3072), torch.ones(1024, 1536)
+                h = h + b[:, :576]
+                del a, b
+            return h
+        step()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(5):
+            step()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        """)
+    faults = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True,
+                                       text=True, check=True).stdout)
+              for mode in ("keep", "default")}
+    assert faults["keep"] < 100, faults

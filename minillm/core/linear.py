@@ -78,6 +78,23 @@ class Linear:
         return Linear, (self.weight, self.bias, self.kernel)
 
 
+def matmul_gflops(kernel, n: int = 2048, repeats: int = 3) -> float:
+    """fp32 GFLOP/s of one n x n x n product through ``kernel`` (median of ``repeats``): how fast
+    this CPU multiplies matrices when the shapes suit it best (``make profile``, ``make bench``)."""
+    import statistics
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    lin, x = Linear(torch.randn(n, n, generator=g), None, kernel), torch.randn(n, n, generator=g)
+    lin(x)                                  # warm-up: the first call allocates
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        lin(x)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
 @functools.cache
 def onednn_works() -> bool:
     """oneDNN's linear ops exist in this torch build and agree with ``F.linear`` on a small
@@ -116,4 +133,4 @@ def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
 
 
 __all__ = ["LINEAR_BACKENDS", "Linear", "OneDNNLinear", "TorchLinear", "get_linear_kernel",
-           "onednn_works"]
+           "matmul_gflops", "onednn_works"]
