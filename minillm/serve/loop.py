@@ -77,13 +77,18 @@ OnStep = Callable[["EngineLoop", StepOutput], None]
 
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
-                 max_waiting: int = 64, name: str = "minillm-engine-loop"):
+                 max_waiting: int = 64, name: str = "minillm-engine-loop",
+                 threads: int | None = None):
+        """``threads``: torch's thread count, set on the loop thread when it starts (None: leave
+        it). ``python -m minillm serve`` loads the model on one thread and gives the loop all of
+        them: see ``serve/cli.py``."""
         if not engine.supports_abort:
             raise ValueError(f"engine {engine.name!r} cannot abort requests: serve needs "
                              "'dynamic' or 'paged'")
         self.engine = engine
         self.metrics = metrics or ServerMetrics(engine.model.name)
         self.max_waiting = max_waiting
+        self.threads = threads
         self.on_step: list[OnStep] = []          # called on the loop thread after each step
         self.handles: dict[str, Handle] = {}     # in the engine, by request id (loop thread only)
         self.num_engine_errors = 0
@@ -168,6 +173,9 @@ class EngineLoop:
 
     # --- the loop thread -------------------------------------------------------------------------
     def _main(self) -> None:
+        if self.threads is not None:
+            import torch
+            torch.set_num_threads(self.threads)
         with self.engine.exclusive():    # an offline run() from another thread waits for us
             try:
                 self._driver.run(until=self._stop.is_set)
