@@ -49,7 +49,8 @@ class PagedLlama:
         self.embed = sd["model.embed_tokens.weight"]
         k = self.linear_kernel = linear_kernel or get_linear_kernel(None, self.embed.device,
                                                                     self.embed.dtype)
-        self.lm_head = Linear(hf_model.get_output_embeddings().weight.detach(), None, k)  # tied or not
+        # tied to the embedding or not: the same Linear either way
+        self.lm_head = Linear(hf_model.get_output_embeddings().weight.detach(), None, k)
         self.final_norm = sd["model.norm.weight"]
         self.layers = [self._layer(sd, f"model.layers.{i}.", k)
                        for i in range(c.num_hidden_layers)]

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     # The engine computes on the loop thread, not on this one. Each thread that runs torch work
     # on several cores gets its own OpenMP team, and once libgomp manages more threads than there
     # are cores its idle workers stop spinning and sleep: every later parallel op then wakes them
-    # through the kernel. Measured on the lab CPU: a decode step ~25% slower, served TPOT ~1.8x
+    # through the kernel. Measured on the lab CPU: a decode step ~25% slower, served TPOT ~2x
     # (`bench --serve minillm,offline`). So this thread loads the model on one thread (it never
     # makes a team) and the loop thread computes on all of them.
     threads = max(1, min(torch.get_num_threads(), 8))
