@@ -126,7 +126,7 @@ def format_table(rows: list[dict]) -> str:
         kv = f"{r['peak_kv_allocated_bytes'] / 2**20:.0f} MiB" if r["peak_kv_allocated_bytes"] else "n/a"
         waste = f"{r['kv_waste_pct']:.1f}" if r["peak_kv_allocated_bytes"] else "n/a"
         lines.append("| " + " | ".join([
-            r["engine"], f"{r['output_tok_s']:.1f}", f"{r.get('speedup_vs_naive', float('nan')):.1f}x",
+            r["engine"], f"{r['output_tok_s']:.1f}", t(r.get("speedup_vs_naive", float("nan")), "{:.1f}x"),
             t(r.get("single_stream_tok_s") or float("nan"), "{:.1f}"),
             t(r["ttft_p50_s"], "{:.2f}s"), t(r["ttft_p95_s"], "{:.2f}s"),
             t(r["tpot_p50_s"], "{:.0f}ms", 1000), t(r["tpot_p95_s"], "{:.0f}ms", 1000),
