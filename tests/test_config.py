@@ -30,7 +30,7 @@ def test_configs_are_frozen(config):
     (CacheConfig, {"block_size": 0}, "block_size must be an integer >= 1, got 0"),
     (CacheConfig, {"num_blocks": 2.5}, "num_blocks must be an integer, got 2.5"),
     (CacheConfig, {"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False, got 1"),
-    (SchedulerConfig, {"policy": "lifo"}, "unknown policy 'lifo': choose one of fcfs, priority"),
+    (SchedulerConfig, {"policy": "lifo"}, "unknown policy 'lifo': choose one of fcfs, priority, score"),
     (SchedulerConfig, {"max_num_seqs": -3}, "max_num_seqs must be an integer >= 1, got -3"),
     (ModelConfig, {"attention_backend": "cuda"}, "unknown attention_backend 'cuda'"),
     (StaticConfig, {"batch_size": "8"}, "batch_size must be an integer, got '8'"),
@@ -110,7 +110,7 @@ def test_engines_keep_their_configs(tiny):
     engine = create_engine("paged", tiny, block_size=4, num_blocks=8, policy="priority",
                            attention_backend="torch")
     assert engine.cache_config == CacheConfig(block_size=4, num_blocks=8)
-    assert engine.scheduler_config.policy == engine.scheduler.policy == "priority"
+    assert engine.scheduler_config.policy == engine.scheduler.policy.name == "priority"
     assert engine.block_size == 4 and engine.block_manager.num_blocks == 8
     assert engine.model_config.attention_backend == "torch" and engine.backend.name == "torch"
     dynamic = DynamicBatchEngine(tiny, max_num_seqs=3)

@@ -71,7 +71,7 @@ configs = st.builds(
     SimConfig, budget_slots=st.sampled_from([256, 512, 1024, 4096]),
     block_size=st.sampled_from([1, 4, 16, 64]), max_num_batched_tokens=st.sampled_from([16, 128, 512]),
     max_num_seqs=st.sampled_from([2, 8, 64]), max_len=st.sampled_from([None, 200]),
-    enable_prefix_caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+    enable_prefix_caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority", "score"]))
 
 
 @settings(max_examples=60, deadline=None)

@@ -29,7 +29,7 @@ DOM_STATE = """
 const n = (id) => Number(document.getElementById(id).textContent);
 return {status: document.getElementById('status').textContent, step: n('step'),
         rows: [...document.querySelectorAll('#running tr.req')].map(
-            (tr) => Number(tr.children[2].textContent)),
+            (tr) => Number(tr.children[3].textContent)),   // class, request, prompt, out
         waiting: document.querySelectorAll('#waiting .chip').length,
         kv: document.getElementById('kvtitle').textContent, finished: n('nfin')};
 """

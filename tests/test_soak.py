@@ -457,12 +457,12 @@ MIXED = [(101, 4, True, "fcfs", True),
          (103, 16, True, "priority", True),
          (104, 2, False, "priority", True),
          (105, 8, True, "fcfs", True),
-         (106, 2, True, "priority", False),
-         (107, 1, True, "priority", True),
+         (106, 2, True, "score", False),
+         (107, 1, True, "score", True),
          (108, 8, False, "fcfs", True)]
 N1_ONLY = [(201, 4, True, "fcfs", True),
            (202, 1, True, "priority", True),
-           (203, 8, False, "priority", True),
+           (203, 8, False, "score", True),
            (204, 16, True, "fcfs", False)]
 
 

@@ -17,10 +17,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from ..request import check_int
+from ..request import check_float, check_int
+from .policy import POLICIES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
 LINEAR_BACKENDS = ("torch", "onednn")
 
@@ -82,13 +82,32 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = option(1024, "paged: token budget per step")
     max_num_seqs: int = option(64, "paged: max concurrent requests")
-    policy: str = option("fcfs", f"paged: scheduling order ({', '.join(POLICIES)})")
+    policy: str = option("fcfs", f"paged: scheduling order ({', '.join(POLICIES)}; "
+                                 "core/policy.py)")
+    priority_preemption_threshold: int = option(
+        0, "paged, policy=priority: a waiting request evicts a running one whose priority value "
+           "is higher by more than this")
+    score_wait_weight: float = option(1.0, "paged, policy=score: weight of each step waited")
+    score_remaining_weight: float = option(
+        0.1, "paged, policy=score: weight of each token still to generate")
+    score_priority_weight: float = option(
+        100.0, "paged, policy=score: weight of each unit of request priority")
+    score_margin: float = option(
+        10.0, "paged, policy=score: a waiting request evicts a running one only if its score is "
+              "lower by more than this")
 
     def __post_init__(self):
         set_checked(self, "max_num_batched_tokens")
         set_checked(self, "max_num_seqs")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        set_checked(self, "priority_preemption_threshold", minimum=0)
+        for name in ("score_wait_weight", "score_remaining_weight", "score_priority_weight",
+                     "score_margin"):
+            value = check_float(name, getattr(self, name))
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .beam import select_beams as core_select_beams
 from .block_manager import BlockManager
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .linear import get_linear_kernel
+from .policy import make_policy
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
@@ -60,7 +61,7 @@ class PagedEngine(Engine):
         self.block_size = cache.block_size
         self.block_manager = block_manager
         self.scheduler = Scheduler(self.block_manager, limits.max_num_batched_tokens,
-                                   limits.max_num_seqs, limits.policy, self.eos_ids,
+                                   limits.max_num_seqs, make_policy(limits), self.eos_ids,
                                    self.max_model_len, select_beams or core_select_beams,
                                    self.observers.emit)
         if runner is None:   # every option is checked by now: the KV pool is allocated last

@@ -10,11 +10,14 @@ It is nothing but a token budget (vLLM v1's design). Each step may compute at mo
 Chunked prefill falls out of the budget: a 2,000-token prompt with a 512-token budget simply
 takes four steps, and decodes ride along in each of them instead of stalling.
 
-When a running sequence needs a block and none is free, the scheduler *preempts* the
-lowest-ranked running request (the newest, under FCFS): frees all its blocks and puts it back at
-the front of the waiting queue, to be recomputed later from its tokens (recompute preemption).
-The request being scheduled can always evict everyone ranked below it, and a request alone in
-the pool always fits (checked on arrival), so this never deadlocks.
+The order is the policy's (``core/policy.py``, notebook 08: fcfs, priority, score). When a
+running sequence needs a block and none is free, the scheduler *preempts* the lowest-ranked
+running request (the newest, under FCFS): frees all its blocks and puts it back at the front of
+the waiting queue, to be recomputed later from its tokens (recompute preemption). A policy may
+also let a waiting request that cannot be seated evict a lower-ranked running one
+(``_preempt_for``); a request is never re-admitted in the step it was preempted. The request
+being scheduled can always evict everyone ranked below it, and a request alone in the pool always
+fits (checked on arrival), so this never deadlocks.
 
 A preempted request with several sequences (n > 1 samples, beams) recomputes its prompt *once*:
 its first sequence computes the prompt alone, then the others adopt those blocks (as the original
@@ -23,18 +26,15 @@ more blocks than the request was admitted with, and could never fit a tight pool
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 
-import torch
-
 from .allocator import KVAllocator
-from ..request import FinishReason, Request, RequestError
-from .beam import BeamChoice, beam_step, select_beams
+from ..request import Request, RequestError
+from .beam import select_beams
+from .commit import Emit, SelectBeams, StepCommit
+from .policy import SchedulingPolicy, get_policy
 from .sequence import Sequence, SequenceGroup
-
-SelectBeams = Callable[[SequenceGroup, set[int], int], BeamChoice]
-Emit = Callable[..., None]          # ``Observers.emit(phase, request_id, data)``
 
 
 @dataclass
@@ -48,23 +48,26 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
-class Scheduler:
+class Scheduler(StepCommit):
     """Owns the requests in flight (``groups``) and the KV allocator (the ``BlockManager``, or
     any other ``minillm.core.allocator.KVAllocator``): ``schedule`` decides a step, ``postprocess``
-    commits it (tokens appended, samples forked, finished ones freed). Its limits are a
+    (``core/commit.py``) commits it (tokens appended, samples forked, finished ones freed). Its
+    limits are a
     ``minillm.core.config.SchedulerConfig``'s, checked there."""
 
     def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,
-                 max_num_seqs: int = 64, policy: str = "fcfs", eos_ids: set[int] = frozenset(),
+                 max_num_seqs: int = 64, policy: SchedulingPolicy | str = "fcfs",
+                 eos_ids: set[int] = frozenset(),
                  max_model_len: int = 1 << 62, select_beams: SelectBeams = select_beams,
                  emit: Emit | None = None):
         """``select_beams`` makes each beam-search choice (the visualizer's replay passes one that
         replays a recorded search); ``emit(phase, request_id, data)`` tells the engine's observers
-        (``engines/observe.py``) of each choice made."""
+        (``engines/observe.py``) of each choice made. ``policy``: a ``core.policy`` policy
+        (``make_policy(config)``), or "fcfs"/"priority" with their defaults."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.policy = policy
+        self.policy = get_policy(policy)
         self.eos_ids, self.max_model_len = set(eos_ids), max_model_len
         self.groups: dict[str, SequenceGroup] = {}    # request id -> group, until it finishes
         self.select_beams = select_beams
@@ -73,18 +76,17 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.num_arrived = 0
+        self.num_steps = 0                  # schedule() calls: the policy's clock
 
     def rank(self, g: SequenceGroup) -> tuple:
         """Sort key: who goes first, and (reversed) who is preempted first."""
-        if self.policy == "priority":
-            return (g.request.priority, g.arrival_index)
-        return (g.arrival_index,)
+        return self.policy.key(g)
 
     def add(self, req: Request) -> SequenceGroup:
         if req.request_id in self.groups:
             raise RequestError(f"{req.request_id}: a request with this id is already in flight")
         group = SequenceGroup(req, [Sequence(req, list(req.prompt_token_ids), req.prompt_len)],
-                              self.num_arrived)
+                              self.num_arrived, self.num_steps)
         self.num_arrived += 1
         self.groups[req.request_id] = group
         self.waiting.append(group)
@@ -102,6 +104,7 @@ class Scheduler:
         waiting groups (rung 7 shares new requests between micro-batches)."""
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens
+        self.num_steps += 1
         self.running.sort(key=self.rank)
         for group in [g for g in self.running if g not in exclude]:
             if group not in self.running:       # preempted while making room for a better one
@@ -110,7 +113,7 @@ class Scheduler:
             if budget == 0:
                 break
         if not out.preempted:                   # memory is tight: let running requests finish
-            budget = self._schedule_waiting(budget, out, max_new)
+            budget = self._schedule_waiting(budget, out, max_new, exclude)
         self._trim_lookahead(out)
         return out
 
@@ -144,39 +147,67 @@ class Scheduler:
         """The running group to preempt first: the last in rank order that may be touched."""
         return next(g for g in reversed(self.running) if g not in exclude)
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput,
-                          max_new: int | None = None) -> int:
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput, max_new: int | None = None,
+                          exclude: Collection[SequenceGroup] = ()) -> int:
         """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last
-        (and at most ``max_new`` of them, if given); return the budget left. A group first adopts cached prefix blocks, then each sequence's
-        tokens are planned and their slots appended. A group none of whose tokens fit stays at
-        the head of the queue (giving back any prefix blocks it adopted): nobody overtakes it."""
+        (and at most ``max_new`` of them, if given); return the budget left. A group that finds
+        no seat, or none of whose tokens fit (``_plan``), may evict a running group the policy
+        ranks below it (``_preempt_for``, never one in ``exclude``) and try again; otherwise it
+        stays at the head of the queue: nobody overtakes it."""
         admitted = 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-                and (max_new is None or admitted < max_new):
+        while self.waiting and budget > 0 and (max_new is None or admitted < max_new):
             group = self.waiting[0]
-            leader = group.seqs[0]
-            if not leader.block_table:
-                self.bm.allocate_cached_prefix(leader)
-            self._readopt_prompt(group)
-            planned = []
-            for seq in group.seqs:
-                num_new = self._num_to_compute(group, seq, budget - sum(n for _, n in planned))
-                if num_new == 0:
-                    continue
-                if not self.bm.can_append(seq, num_new):
-                    break
-                out.copies += self.bm.append_slots(seq, num_new)
-                planned.append((seq, num_new))
-            if not planned:
-                for seq in group.seqs:          # undo the prefix-cache adoption; try next step
-                    self.bm.free(seq)
+            if group in out.preempted:          # not re-admitted in the step it was preempted
                 break
+            seated = len(self.running) < self.max_num_seqs
+            planned = self._plan(group, budget, out) if seated else []
+            if not planned:
+                if not self._preempt_for(group, out, exclude):
+                    break
+                budget = self.max_num_batched_tokens - out.num_tokens
+                continue
             self.waiting.pop(0)
             self.running.append(group)
             admitted += 1
             out.scheduled += planned
             budget -= sum(n for _, n in planned)
         return budget
+
+    def _plan(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> list:
+        """A waiting group's (sequence, tokens) for this step, slots appended: it first adopts
+        cached prefix blocks, then each sequence gets its tokens while blocks last. If none fit,
+        the adopted prefix blocks are given back and the plan is empty."""
+        leader = group.seqs[0]
+        if not leader.block_table:
+            self.bm.allocate_cached_prefix(leader)
+        self._readopt_prompt(group)
+        planned = []
+        for seq in group.seqs:
+            num_new = self._num_to_compute(group, seq, budget - sum(n for _, n in planned))
+            if num_new == 0:
+                continue
+            if not self.bm.can_append(seq, num_new):
+                break
+            out.copies += self.bm.append_slots(seq, num_new)
+            planned.append((seq, num_new))
+        if not planned:
+            for seq in group.seqs:              # undo the prefix-cache adoption; try later
+                self.bm.free(seq)
+        return planned
+
+    def _preempt_for(self, group: SequenceGroup, out: SchedulerOutput,
+                     exclude: Collection[SequenceGroup] = ()) -> bool:
+        """Evict the lowest-ranked running group not in ``exclude`` for the waiting ``group``, if
+        the policy says it may (``policy.preempts``); say whether it did (notebook 08)."""
+        victims = [g for g in self.running if g not in exclude]
+        if not victims:
+            return False
+        victim = max(victims, key=self.rank)
+        if not self.policy.preempts(group, victim):
+            return False
+        self.preempt(victim, out)
+        self.emit("preempted", victim.request.request_id, group.request.request_id)
+        return True
 
     def _readopt_prompt(self, group: SequenceGroup) -> None:
         """After a preemption: once the first sequence has the prompt's K/V again, every sibling
@@ -232,106 +263,6 @@ class Scheduler:
             self.running.remove(group)
         elif group in self.waiting:
             self.waiting.remove(group)
-
-    # --- committing a step (nano-vllm's Scheduler.postprocess) ---------------------------------
-    def commit_computed(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote these tokens' K/V: count them, offer full blocks to the cache
-        (a block holding guesses is never offered: ``cache_full_blocks`` hashes tokens only),
-        and fork the n - 1 other samples of a request whose prompt is now computed."""
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-            if seq.request.params.n > 1 and seq.num_computed_tokens == seq.num_tokens:
-                self.groups[seq.request.request_id].fork_samples(seq, self.bm)
-
-    def rows_to_sample(self, reached: list[Sequence]) -> list[tuple[int, Sequence]]:
-        """(logits row, sequence) pairs to sample: each sequence that reached its newest token,
-        plus the samples just forked from it (same row: they share its prompt)."""
-        rows = []
-        for i, seq in enumerate(reached):
-            if seq.num_tokens == seq.prompt_len and seq.request.params.n > 1:
-                group = self.groups[seq.request.request_id]
-                rows += [(i, c) for c in group.seqs if c is not seq and c.num_tokens == c.prompt_len]
-            rows.append((i, seq))
-        return rows
-
-    def postprocess(self, tokens: list[tuple[Sequence, int]],
-                    beam_logprobs: list[tuple[Sequence, torch.Tensor]],
-                    accepted: dict[Sequence, list[int]] | None = None) -> list[Request]:
-        """Append sampled tokens, advance beams, free what finished; return finished requests.
-        ``accepted`` (rung 6): the tokens each speculating sequence keeps — a prefix of its
-        guesses plus the target's own token; the K/V of the rejected guesses is given back."""
-        accepted = accepted or {}
-        touched: dict[int, SequenceGroup] = {}
-        for seq, _ in tokens + beam_logprobs + list(accepted.items()):
-            group = self.groups[seq.request.request_id]
-            touched.setdefault(id(group), group)
-        for seq, kept in accepted.items():
-            self._accept(seq, kept)
-        for seq, token in tokens + [(s, kept[-1]) for s, kept in accepted.items()]:
-            self._land(seq, [token])
-        for seq, logprobs in beam_logprobs:
-            seq.pending_logprobs = logprobs
-        finished = []
-        for group in touched.values():
-            if group.request.params.beam_width > 1:
-                self._advance_beams(group)
-            if not group.seqs:
-                finished.append(self.finish_group(group))
-        return finished
-
-    def _accept(self, seq: Sequence, kept: list[int]) -> None:
-        """Verified lookahead: keep the K/V of the newest token and of the guesses kept (all but
-        the last kept token, which is the target's own and has no K/V yet), free the rest."""
-        seq.spec_token_ids = []
-        self.bm.truncate(seq, seq.num_tokens + len(kept) - 1)
-        self._land(seq, kept[:-1])      # none of them stops it: verify cut after the first stop
-        self.bm.cache_full_blocks(seq)                  # full blocks of kept tokens only
-
-    def _advance_beams(self, group: SequenceGroup) -> None:
-        """One beam-search step (``beam.py``); its continuations land here, like any token."""
-        stepped = beam_step(group, self.bm, self.eos_ids, self.max_model_len, self.select_beams)
-        if stepped is not None:
-            choice, continuations = stepped
-            self.emit("beam", group.request.request_id, choice)
-            group.request.commit(None, (), self.eos_ids, self.max_model_len)   # first-token time
-            for seq, token in continuations:
-                self._land(seq, [token], beam=True)
-
-    def _land(self, seq: Sequence, tokens: list[int], beam: bool = False) -> None:
-        """The one place a step's tokens join a sequence: committed to its request's sample
-        (``Request.commit``: stop checks, first-token time), then to the sequence. A sample that
-        stops leaves at once, its blocks freed this step. A beam's tokens are the search's
-        state; they reach the request when the search ends (``finish_group``)."""
-        if beam:
-            seq.token_ids += tokens
-            return
-        landed, reason = seq.request.commit(seq.sample_id, tokens, self.eos_ids,
-                                            self.max_model_len)
-        seq.token_ids += tokens[:landed]
-        if reason is not None:
-            group = self.groups[seq.request.request_id]
-            group.seqs.remove(seq)
-            group.done_seqs.append(seq)
-            seq.finish_reason = reason
-            self.bm.free(seq)
-
-    def finish_group(self, group: SequenceGroup, reason: FinishReason | None = None) -> Request:
-        """End a request: free its blocks and record its samples, best first (beams by score,
-        parallel samples in order). ``reason`` (an abort) also ends the sequences still running,
-        which keep their partial tokens."""
-        req, beams = group.request, group.request.params.beam_width > 1
-        for seq in group.seqs:
-            seq.finish_reason = reason
-            if beams:   # a running beam is ranked like a finished hypothesis: length-normalized
-                seq.cum_logprob /= max(1, len(seq.output_token_ids))
-        done = group.done_seqs + group.seqs
-        self.finish(group)
-        done.sort(key=(lambda s: -s.cum_logprob) if beams else (lambda s: s.sample_id))
-        req.set_final([(list(s.output_token_ids), s.finish_reason) for s in done])
-        req.finish(reason or done[0].finish_reason)
-        del self.groups[req.request_id]
-        return req
 
     def live_seqs(self) -> list[Sequence]:
         """Sequences holding blocks right now (what memory snapshots draw)."""

@@ -67,6 +67,7 @@ class SequenceGroup:
     request: Request
     seqs: list[Sequence]
     arrival_index: int
+    arrival_step: int = 0       # the scheduler's step count when it arrived (core/policy.py)
     done_seqs: list[Sequence] = field(default_factory=list)   # finished samples / beams
 
     def fork_samples(self, seq: Sequence, block_manager) -> list[Sequence]:

@@ -4,6 +4,9 @@ A view never keeps state in the engine's objects and never copies its step: it r
 callable on ``engine.observers`` and receives a ``StepEvent`` at each phase of every step.
 
 Phases, in the order they happen within one step:
+- ``"preempted"`` — the scheduler evicted the running request ``request_id`` for a waiting one
+  the policy ranks ahead of it (``data``: that request's id; ``core/policy.py``). Evictions for
+  memory are counted in ``Request.num_preemptions`` and the engine's ``num_preemptions``.
 - ``"computed"`` — the forward pass ran: every K/V of the step is written and nothing is
   committed yet, so the pool is at its fullest (rung 6: guesses' slots still held). ``data``:
   the sequences whose logits came back (``PagedEngine.complete``).
@@ -25,8 +28,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal
 if TYPE_CHECKING:
     from .base import Engine
 
-Phase = Literal["computed", "beam", "verified", "stepped"]
-PHASES: tuple[Phase, ...] = ("computed", "beam", "verified", "stepped")
+Phase = Literal["preempted", "computed", "beam", "verified", "stepped"]
+PHASES: tuple[Phase, ...] = ("preempted", "computed", "beam", "verified", "stepped")
 
 
 @dataclass(frozen=True)

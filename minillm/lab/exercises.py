@@ -62,7 +62,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "blocks last (and at most max_new new ones); when a running sequence cannot get a "
              "block, preempt the lowest-ranked running request not in exclude "
              "(self._lowest_ranked(exclude)): free all its blocks and put it back at the front "
-             "of the queue."),
+             "of the queue. A waiting group with no seat, or whose plan (self._plan) is empty, "
+             "may evict a running one if the policy lets it (self._preempt_for): then try again."),
     Exercise("04", "Paged attention: write K/V into slots, read them back through block tables",
              "minillm.core.attention.reference",
              ("TorchAttention.write_kv", "TorchAttention.gather", "TorchAttention.decode"),

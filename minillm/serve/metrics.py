@@ -45,6 +45,9 @@ class Histogram:
         return out + [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {cum}"]
 
 
+MAX_CLASSES = 16     # priority classes with their own histograms; the others share "other"
+
+
 class ServerMetrics:
     """Counters and histograms since the server started (the gauges are read live)."""
 
@@ -60,17 +63,28 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.prefix_queries = 0                  # prompt tokens looked up in the prefix cache
         self.rejected = 0                        # 429s: the waiting queue was full
+        self.by_class: dict[str, tuple[Histogram, Histogram]] = {}   # priority -> (ttft, tpot)
+
+    def _class_of(self, priority: int) -> tuple[Histogram, Histogram]:
+        """The histograms of a priority class: one per value, up to MAX_CLASSES (a client
+        choosing priorities at random must not grow /metrics without end); the rest: "other"."""
+        key = str(priority) if str(priority) in self.by_class or \
+            len(self.by_class) < MAX_CLASSES else "other"
+        return self.by_class.setdefault(key, (Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)))
 
     def observe_finished(self, reason: str, ttft: float | None, latency: float | None,
-                         num_tokens: int) -> None:
+                         num_tokens: int, priority: int = 0) -> None:
         with self.lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
+            ttft_c, tpot_c = self._class_of(priority)
             if ttft is not None:
                 self.ttft.observe(ttft)
+                ttft_c.observe(ttft)
             if latency is not None:
                 self.e2e.observe(latency)
                 if ttft is not None and num_tokens > 1:
                     self.tpot.observe((latency - ttft) / (num_tokens - 1))
+                    tpot_c.observe((latency - ttft) / (num_tokens - 1))
 
     def observe_step(self, gaps: list[float], num_tokens: int) -> None:
         """One engine step: the gaps since each request's previous token, tokens generated."""
@@ -111,6 +125,14 @@ class ServerMetrics:
                      "Per request: mean time per output token after the first."),
                     ("vllm:e2e_request_latency_seconds", self.e2e, "Arrival to finish.")):
                 metric(name, "histogram", help_, hist.lines(name, lab))
+            for name, i, help_ in (
+                    ("minillm:time_to_first_token_by_priority_seconds", 0,
+                     "Time to first token, per priority class (the request's priority field)."),
+                    ("minillm:time_per_output_token_by_priority_seconds", 1,
+                     "Mean time per output token after the first, per priority class.")):
+                metric(name, "histogram", help_, [
+                    line for c, hists in sorted(self.by_class.items())
+                    for line in hists[i].lines(name, f'{lab},priority="{c}"')])
         return "\n".join(lines) + "\n"
 
 

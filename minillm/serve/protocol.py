@@ -64,7 +64,8 @@ class ChatMessage(BaseModel):
 
 class _Common(BaseModel):
     """Fields shared by both endpoints. OpenAI's defaults: 16 tokens (completions), temperature
-    1. ``top_k``, ``ignore_eos``, ``return_token_ids``, ``stop_token_ids`` are vLLM's extras.
+    1. ``top_k``, ``ignore_eos``, ``return_token_ids``, ``stop_token_ids``, ``priority`` are vLLM's
+    extras.
     Undeclared fields are kept (``extra="allow"``) so that ``check_fields`` can judge each one."""
 
     model_config = ConfigDict(extra="allow")
@@ -85,6 +86,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False                # benchmarks fix output lengths with it
     return_token_ids: StrictBool = False                # vLLM's extra: each choice's token ids too
+    # vLLM's extra: lower runs first under --policy priority or score (core/policy.py); under
+    # fcfs it only labels the request's class in /metrics
+    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
 
     def check_fields(self) -> None:
         """A 400 naming the first field that is neither honoured, nor metadata, nor neutral."""

@@ -44,6 +44,7 @@ class SimConfig:
     max_len: int | None = None              # max-length reservation; default: the longest request
     enable_prefix_caching: bool = True      # paged: only matters when prompts share a prefix
     policy: str = "fcfs"
+    policy_options: dict = field(default_factory=dict)  # SchedulerConfig's weights, by name
     max_model_len: int = 1 << 30            # context limit for stopping (the trace's model's)
     bytes_per_slot: int = 1
     validate: bool = True                   # paged: reject requests that could never fit (off

@@ -97,7 +97,7 @@ def replay_engine(cfg: SimConfig, allocator: str, requests: dict[str, SimRequest
     engine = PagedEngine(
         ReplayModel(cfg.max_model_len, cfg.bytes_per_slot), block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        policy=cfg.policy, runner=NullRunner(), sampler=ReplaySampler(requests),
+        policy=cfg.policy, **cfg.policy_options, runner=NullRunner(), sampler=ReplaySampler(requests),
         block_manager=alloc, select_beams=ReplayBeams(requests))
     engine.name = ALLOCATOR_LABELS[allocator]        # what its snapshots are titled
     return engine

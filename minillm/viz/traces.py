@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..core.policy import policy_options
 from ..engines.observe import StepEvent
 from ..request import Request
 from .accounting import SimConfig, SimResult
@@ -37,12 +38,14 @@ class Trace:
     bytes_per_slot: int
     engine_steps: list[dict] = field(default_factory=list)   # the engine's own StepRecords
     source: str = ""
+    policy_options: dict = field(default_factory=dict)   # the policy's weights (score, priority)
 
     def config(self, **overrides) -> SimConfig:
         kw = dict(budget_slots=self.num_blocks * self.block_size, block_size=self.block_size,
                   max_num_batched_tokens=self.max_num_batched_tokens,
                   max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
-                  policy=self.policy, max_model_len=self.max_model_len,
+                  policy=self.policy, policy_options=dict(self.policy_options),
+                  max_model_len=self.max_model_len,
                   bytes_per_slot=self.bytes_per_slot, validate=False, idle_steps=False)
         kw.update(overrides)
         return SimConfig(**kw)
@@ -121,10 +124,10 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "",
     sched = engine.scheduler
     return Trace(sims, engine.block_size, engine.block_manager.num_blocks,
                  sched.max_num_batched_tokens, sched.max_num_seqs,
-                 engine.block_manager.enable_prefix_caching, sched.policy, engine.max_model_len,
-                 engine.model.kv_bytes_per_token,
+                 engine.block_manager.enable_prefix_caching, sched.policy.name,
+                 engine.max_model_len, engine.model.kv_bytes_per_token,
                  [{"step": s.step, "num_running": s.num_running, **s.kv.as_dict()}
-                  for s in result.steps], source)
+                  for s in result.steps], source, policy_options(engine.scheduler_config))
 
 
 def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progress: bool = False,

@@ -1,0 +1,149 @@
+"""Scheduling policies: who is admitted first, and who may be evicted for whom (notebook 08).
+
+The scheduler asks its policy two questions, and nothing else:
+
+- ``key(group)``: a sort key, lower first. The waiting queue is admitted in this order, and the
+  running request with the highest key is the first preempted when memory runs out.
+- ``preempts(candidate, victim)``: may a waiting ``candidate`` that cannot be seated (the batch is
+  full at ``max_num_seqs``, or the pool has no blocks for it) evict the running ``victim``? The
+  victim is recompute-preempted (its KV freed, its tokens kept) and waits again.
+
+Three policies, all in vLLM's and SGLang's vocabulary:
+
+- ``fcfs``: arrival order; nobody is evicted for a newcomer (vLLM's default).
+- ``priority``: lower ``Request.priority`` first, ties by arrival (vLLM's semantics). Unlike
+  vLLM's (vllm-project/vllm#40004), a waiting request evicts a running one whose priority value is
+  higher by more than ``priority_preemption_threshold`` (SGLang's threshold): an urgent arrival
+  does not wait for a full batch to drain. A steady stream of urgent requests starves the others
+  for ever: that is what ``score`` fixes.
+- ``score``: the background notes' weighted score of user priority, remaining length and waiting
+  time, ``key = w_p * priority + w_r * remaining + w_w * arrival_step`` (lower first). Waiting
+  time is measured in engine steps, not seconds: it is deterministic, and a step is the unit the
+  engine serves in. Every request ages at the same rate, so aging is the arrival step's term:
+  ``key(t) = w_p*p + w_r*r - w_w*(t - arrival)`` orders requests exactly as this key does at every
+  ``t``. ``remaining`` is what a request can know of itself: ``max_tokens`` minus the tokens its
+  furthest sample has generated (no learned length estimate). A running request's key falls as it
+  generates, so the request it evicted can never evict it back (no ping-pong); ``score_margin``
+  (in key units) keeps near-ties from evicting each other at all.
+
+**Starvation bound under ``score``** (``w_w > 0``). Let request r arrive at step ``a``. Any request
+arriving at step ``a' > a + D``, with ``D = (w_p * (p_r - p_min) + w_r * remaining_r + margin) /
+w_w`` (``p_min``: the lowest priority value that arrives), has a key greater than r's by more than
+the margin, waiting or running, whatever its remaining length (``>= 0``). So after step ``a + D``
+nobody new overtakes r, and r may evict any such newcomer for a seat or for blocks: r is admitted
+as soon as the requests that arrived by ``a + D`` and rank ahead of it have been admitted — a
+fixed, finite set. With seats for S and each of those needing at most L steps (prompt chunks plus
+``max_tokens``) in a pool that holds them, r waits at most ``D + ceil(|ahead| / S) * L`` steps
+(``tests/test_policy.py`` checks this bound on an adversarial stream that starves r under
+``priority``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .config import SchedulerConfig
+    from .sequence import SequenceGroup
+
+
+class SchedulingPolicy(Protocol):
+    name: str
+
+    def key(self, group: SequenceGroup) -> tuple: ...
+
+    def preempts(self, candidate: SequenceGroup, victim: SequenceGroup) -> bool: ...
+
+
+@dataclass(frozen=True)
+class FCFS:
+    name: str = "fcfs"
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (group.arrival_index,)
+
+    def preempts(self, candidate: SequenceGroup, victim: SequenceGroup) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Priority:
+    threshold: int = 0
+    name: str = "priority"
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (group.request.priority, group.arrival_index)
+
+    def preempts(self, candidate: SequenceGroup, victim: SequenceGroup) -> bool:
+        return victim.request.priority - candidate.request.priority > self.threshold
+
+
+def remaining_tokens(group: SequenceGroup) -> int:
+    """Tokens the request may still generate: ``max_tokens`` minus what its furthest sample has
+    (a beam or sample that finished does not count; the group is gone when all have)."""
+    generated = max((len(s.output_token_ids) for s in group.seqs), default=0)
+    return max(0, group.request.params.max_tokens - generated)
+
+
+@dataclass(frozen=True)
+class Score:
+    wait_weight: float = 1.0        # per step of waiting (the arrival step's weight)
+    remaining_weight: float = 0.1   # per token still to generate
+    priority_weight: float = 100.0  # per unit of Request.priority
+    margin: float = 10.0            # a candidate must beat its victim by more than this
+    name: str = "score"
+
+    def score(self, group: SequenceGroup) -> float:
+        return (self.priority_weight * group.request.priority
+                + self.remaining_weight * remaining_tokens(group)
+                + self.wait_weight * group.arrival_step)
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (self.score(group), group.arrival_index)
+
+    def preempts(self, candidate: SequenceGroup, victim: SequenceGroup) -> bool:
+        return self.score(victim) - self.score(candidate) > self.margin
+
+    def overtake_horizon(self, group: SequenceGroup, min_priority: int) -> int:
+        """``D`` of the starvation bound: no request arriving more than this many steps after
+        ``group`` ranks ahead of it (needs ``wait_weight > 0``)."""
+        if self.wait_weight <= 0:
+            raise ValueError("score: with wait_weight 0 there is no starvation bound")
+        head = (self.priority_weight * (group.request.priority - min_priority)
+                + self.remaining_weight * remaining_tokens(group) + self.margin)
+        return max(0, math.floor(head / self.wait_weight))
+
+
+POLICIES = ("fcfs", "priority", "score")
+
+
+def get_policy(policy: SchedulingPolicy | str) -> SchedulingPolicy:
+    """``policy`` itself, or the policy a name names, with its default weights."""
+    if not isinstance(policy, str):
+        return policy
+    named = {"fcfs": FCFS, "priority": Priority, "score": Score}
+    if policy not in named:
+        raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    return named[policy]()
+
+
+def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
+    """The policy ``config.policy`` names, with the config's weights."""
+    if config.policy == "priority":
+        return Priority(config.priority_preemption_threshold)
+    if config.policy == "score":
+        return Score(config.score_wait_weight, config.score_remaining_weight,
+                     config.score_priority_weight, config.score_margin)
+    return FCFS()
+
+
+POLICY_FIELDS = ("priority_preemption_threshold", "score_wait_weight", "score_remaining_weight",
+                 "score_priority_weight", "score_margin")
+
+
+def policy_options(config: SchedulerConfig) -> dict:
+    """The config's policy weights that differ from their defaults (what a trace keeps)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return {k: getattr(config, k) for k in POLICY_FIELDS if getattr(config, k) != defaults[k]}
