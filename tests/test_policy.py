@@ -147,15 +147,18 @@ def test_priority_starves_the_low_request_under_a_steady_urgent_stream():
     assert "low" not in sim.first_scheduled
 
 
-@pytest.mark.parametrize("weights", [(1.0, 0.1, 100.0, 10.0), (0.5, 1.0, 20.0, 0.0),
+@pytest.mark.parametrize("weights", [(1.0, 0.1, 1000.0, 10.0), (0.5, 1.0, 20.0, 0.0),
                                      (2.0, 0.0, 300.0, 50.0)])
 def test_score_admits_the_low_request_within_its_bound(weights):
     """The bound of core/policy.py's docstring: D = overtake_horizon; the requests that can rank
     ahead arrived by step D; with S seats and L steps each, admission by D + ceil(ahead/S) * L."""
     policy = Score(*weights)
     max_seqs, max_tokens, prompt_len = 2, 4, 4
-    sim, low, arrivals = adversarial(policy, horizon=2000, max_seqs=max_seqs,
-                                            max_tokens=max_tokens, prompt_len=prompt_len)
+    d = (policy.priority_weight + policy.remaining_weight * max_tokens + policy.margin) \
+        / policy.wait_weight                        # D for the low request, one arrival per step
+    horizon = int(max_seqs + d + ((max_seqs + d) / max_seqs + 2) * (1 + max_tokens)) + 50
+    sim, low, arrivals = adversarial(policy, horizon=horizon, max_seqs=max_seqs,
+                                     max_tokens=max_tokens, prompt_len=prompt_len)
     assert "low" in sim.first_scheduled, "starved under score"
     a = arrivals["low"]
     horizon = arrivals.pop("D")

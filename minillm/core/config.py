@@ -91,7 +91,8 @@ class SchedulerConfig:
     score_remaining_weight: float = option(
         0.1, "paged, policy=score: weight of each token still to generate")
     score_priority_weight: float = option(
-        100.0, "paged, policy=score: weight of each unit of request priority")
+        1000.0, "paged, policy=score: weight of each unit of request priority (in steps of "
+              "waiting)")
     score_margin: float = option(
         10.0, "paged, policy=score: a waiting request evicts a running one only if its score is "
               "lower by more than this")

@@ -91,7 +91,7 @@ def remaining_tokens(group: SequenceGroup) -> int:
 class Score:
     wait_weight: float = 1.0        # per step of waiting (the arrival step's weight)
     remaining_weight: float = 0.1   # per token still to generate
-    priority_weight: float = 100.0  # per unit of Request.priority
+    priority_weight: float = 1000.0  # per unit of Request.priority (= 1000 steps of waiting)
     margin: float = 10.0            # a candidate must beat its victim by more than this
     name: str = "score"
 
