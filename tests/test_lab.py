@@ -24,6 +24,8 @@ WRONG = {
     "03-scheduler": ("            self.bm.free(seq)\n            seq.pending_logprobs = None",
                      "            seq.pending_logprobs = None"),   # preempted, blocks kept
     "04": ("attn_mask=bias, scale=scale)", "attn_mask=None, scale=scale)"),  # past context_lens
+    "08": ("return victim.request.priority - candidate.request.priority > self.threshold",
+           "return victim.request.priority - candidate.request.priority >= self.threshold"),
     "06": ("        out.append(target)\n        if guess != target:",
            "        out.append(guess)\n        if guess != target:"),    # the wrong guess kept
 }

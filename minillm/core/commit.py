@@ -51,7 +51,8 @@ class StepCommit:
         for i, seq in enumerate(reached):
             if seq.num_tokens == seq.prompt_len and seq.request.params.n > 1:
                 group = self.groups[seq.request.request_id]
-                rows += [(i, c) for c in group.seqs if c is not seq and c.num_tokens == c.prompt_len]
+                rows += [(i, c) for c in group.seqs
+                         if c is not seq and c.num_tokens == c.prompt_len]
             rows.append((i, seq))
         return rows
 

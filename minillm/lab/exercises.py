@@ -78,6 +78,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "that output index (sample_one with draw_uniform(seed, index)). Unseeded: keep guess "
              "d with probability min(1, p(d) / q(d)); on the first rejection draw from "
              "max(0, p - q) renormalized, and stop."),
+    Exercise("08", "Scheduling policies: who goes first, and who may evict whom",
+             "minillm.core.policy",
+             ("Priority.key", "Priority.preempts", "remaining_tokens", "Score.score",
+              "Score.preempts"), "08_scheduling_policies", 35,
+             "Priority: lower priority value first, ties by arrival_index; a waiting candidate "
+             "evicts a running victim only if the victim's value is higher by MORE than the "
+             "threshold. Score: priority_weight * priority + remaining_weight * remaining + "
+             "wait_weight * arrival_step (lower first, ties by arrival_index), remaining being "
+             "max_tokens minus what the furthest sample generated; evict only if the victim's "
+             "score exceeds the candidate's by more than the margin."),
 ]}
 
 

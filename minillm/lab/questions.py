@@ -74,6 +74,20 @@ def blocks_returned_after_rejection(computed: int = 30, guesses: int = 8, accept
     return held - len(seq.block_table)
 
 
+def score_overtake_horizon(max_tokens: int = 128, priority: int = 1) -> int:
+    """Steps after a waiting ``priority``-1 request with ``max_tokens`` arrives during which a
+    later priority-0 request can still rank ahead of it under ``score``'s default weights,
+    computed by the policy's own ``overtake_horizon``."""
+    from ..core.block_manager import BlockManager
+    from ..core.policy import Score
+    from ..core.scheduler import Scheduler
+    from ..request import Request, SamplingParams
+
+    sched = Scheduler(BlockManager(8, 16), policy="score")
+    group = sched.add(Request([1], SamplingParams(max_tokens=max_tokens), priority=priority))
+    return Score().overtake_horizon(group, min_priority=0)
+
+
 @dataclass(frozen=True)
 class Question:
     id: str
@@ -105,6 +119,12 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "the verification held slots for 30 + 1 + 8 tokens; afterwards the sequence keeps "
              "K/V for 30 + 1 + 1 positions (the target's own next token has none yet); count "
              "whole blocks of 4 before and after", rel_tol=0.0),
+    Question("08.q1", "under policy score with its default weights, for how many steps after a "
+             "batch request (priority 1, max_tokens 128) arrives can a later interactive request "
+             "(priority 0) still be served before it? (D of the starvation bound)",
+             score_overtake_horizon,
+             "D = (priority_weight × (1 − 0) + remaining_weight × 128 + margin) / wait_weight, "
+             "rounded down; the weights are Score's defaults in core/policy.py", rel_tol=0.0),
 ]}
 
 

@@ -40,7 +40,8 @@ def make_mixed_bodies(model: str, num_requests: int, seed: int,
     bodies, classes = [], []
     for _ in range(num_requests):
         c = CLASSES[0] if rng.random() < interactive_share else CLASSES[1]
-        bodies.append({"model": model, "prompt": [rng.choice(RANDOM_IDS) for _ in range(c.input_len)],
+        prompt = [rng.choice(RANDOM_IDS) for _ in range(c.input_len)]
+        bodies.append({"model": model, "prompt": prompt,
                        "max_tokens": c.max_tokens, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}, "ignore_eos": True,
                        "priority": c.priority})
@@ -80,7 +81,8 @@ def class_table(per_server: dict[str, dict]) -> str:
             k = m[c.name]
             lines.append(f"| {name} | {c.name} (p{c.priority}, ≤ {c.slo_ttft_ms / 1e3:g} s) | "
                          f"{k['completed']}/{k['requests']} | {k['ttft_p50_ms']:.0f} / "
-                         f"{k['ttft_p99_ms']:.0f} | {k['tpot_p50_ms']:.0f} / {k['tpot_p99_ms']:.0f} "
+                         f"{k['ttft_p99_ms']:.0f} | {k['tpot_p50_ms']:.0f} / "
+                         f"{k['tpot_p99_ms']:.0f} "
                          f"| {k['met_slo']} | {k['goodput_req_s']:.2f} | "
                          f"{m['all']['output_tok_s']:.1f} |")
     return "\n".join(lines)
