@@ -77,11 +77,11 @@ def test_skeleton_keeps_everything_but_the_bodies(ex_id):
             assert ast.dump(a[name]) == ast.dump(b[name]), f"{name} must be left untouched"
 
 
-def grade(ex, tmp_path, source: str, *extra: str) -> subprocess.CompletedProcess:
+def grade(ex, tmp_path, source: str, *extra: str, **options) -> subprocess.CompletedProcess:
     path = tmp_path / ex.id / ex.file_name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
-    return check(ex, path, ("-x", *extra), capture=True)
+    return check(ex, path, ("-x", *extra), capture=True, **options)
 
 
 @pytest.mark.slow
@@ -89,7 +89,7 @@ def grade(ex, tmp_path, source: str, *extra: str) -> subprocess.CompletedProcess
 def test_grader_passes_the_reference_and_fails_skeleton_and_mistake(ex_id, tmp_path):
     ex = EXERCISES[ex_id]
     source = ex.source_path.read_text()
-    ok = grade(ex, tmp_path, source)               # a student who writes the reference's code
+    ok = check(ex, None, ("-x",), capture=True)    # the package's own code
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-2000:]
     stub = start(ex, tmp_path / "student")
     empty = check(ex, stub, ("-x",), capture=True)
@@ -147,3 +147,88 @@ def test_questions_check_answers_computed_from_the_engine(smol, capsys):
     assert lab.check("03.q3", [independent, shared + 1]) is False
     with pytest.raises(KeyError, match="no question"):
         lab.check("9.q9", 1)
+
+
+# --- grading a student cannot forge (issue 26) -------------------------------------------------------
+def skeleton(ex_id: str, tmp_path) -> str:
+    return start(EXERCISES[ex_id], tmp_path / "fresh", force=True).read_text()
+
+
+PATCH_REPORTS = """
+import _pytest.reports as _r
+_make = _r.TestReport.from_item_and_call.__func__
+def _passed(cls, item, call):
+    rep = _make(cls, item, call)
+    rep.outcome, rep.longrepr = "passed", None
+    return rep
+_r.TestReport.from_item_and_call = classmethod(_passed)
+"""
+CHEATS = {   # prepended to a blank skeleton of exercise 03
+    "os._exit(0) on import": "import os\nos._exit(0)\n",
+    "atexit: exit 0 after the failures": "import atexit, os\natexit.register(lambda: os._exit(0))\n",
+    "pytest's reports patched to passed": PATCH_REPORTS,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cheat", list(CHEATS))
+def test_generic_cheats_do_not_pass(cheat, tmp_path):
+    ex = EXERCISES["03"]
+    done = grade(ex, tmp_path, CHEATS[cheat] + skeleton("03", tmp_path))
+    assert done.returncode != 0, f"{cheat}: passed\n{done.stdout[-2000:]}"
+    assert "verdict: not passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_replacing_what_graders_compare_with_does_not_pass(tmp_path):
+    """Exercise 04 with the context_lens mistake and torch.allclose made to agree with anything."""
+    ex = EXERCISES["04"]
+    old, new = WRONG["04"]
+    source = ex.source_path.read_text().replace(old, new)
+    done = grade(ex, tmp_path, source + "\ntorch.allclose = lambda *a, **k: True\n")
+    assert done.returncode != 0 and "replaced torch.allclose" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_package_s_own_code_is_not_a_solution(tmp_path):
+    ex = EXERCISES["03"]
+    for source in (ex.source_path.read_text(),                    # copied
+                   f"exec(open({str(ex.source_path)!r}).read())\n"):   # run from the package
+        done = grade(ex, tmp_path, source)
+        assert done.returncode != 0 and "package's own code" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_scheduler_that_never_preempts_stops_at_the_time_limit(tmp_path):
+    ex = EXERCISES["03-scheduler"]
+    old = """            while not self.bm.can_append(seq, num_new):
+                victim = self._lowest_ranked(exclude)
+                self.preempt(victim, out)
+                if victim is group:
+                    return budget"""
+    source = ex.source_path.read_text()
+    assert old in source
+    never = source.replace(old, """            if not self.bm.can_append(seq, num_new):
+                return budget""")
+    done = grade(ex, tmp_path, never, test_limit_s=20)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "did not finish" in done.stdout or "failed" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_same_wrong_solution_gets_the_same_verdict_every_time(tmp_path):
+    ex = EXERCISES["03"]
+    source = ex.source_path.read_text().replace(*WRONG["03"])
+    verdicts = {grade(ex, tmp_path, source).stdout.rsplit("verdict:", 1)[1].strip()
+                for _ in range(10)}
+    assert len(verdicts) == 1 and next(iter(verdicts)).startswith("not passed"), verdicts
+
+
+def test_pytest_arguments_after_double_dash_wherever_it_falls(tmp_path, capsys):
+    from minillm.lab.__main__ import main
+    path = start(EXERCISES["03"], tmp_path)
+    assert main(["check", "03", "--file", str(path), "--", "-x"]) == 1   # a blank skeleton
+    out = capsys.readouterr().out
+    assert "verdict: not passed" in out and "blocks_needed is not written yet" in out
+    with pytest.raises(SystemExit):
+        main(["list", "--", "-x"])

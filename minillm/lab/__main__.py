@@ -98,7 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []   # pytest's, wherever -- falls
+    parser = build_parser()
+    args = parser.parse_args(argv[:len(argv) - len(extra) - 1] if "--" in argv else argv)
+    if extra and args.command != "check":
+        parser.error(f"arguments after -- are pytest's and only `check` takes them: {extra}")
+    if args.command == "check":
+        args.pytest_args = [*args.pytest_args, *extra]
     return args.fn(args)
 
 

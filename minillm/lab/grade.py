@@ -11,13 +11,18 @@ compared with code: any correct solution passes.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
+import secrets
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .exercises import Exercise
-from .skeleton import make_skeleton
+from .skeleton import function_bodies, make_skeleton
 
 DEFAULT_DIR = Path("labwork")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the folder that holds minillm/
@@ -40,9 +45,13 @@ def start(ex: Exercise, workdir: Path = DEFAULT_DIR, force: bool = False) -> Pat
 
 
 def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] = (),
-          timeout: int = 1200, capture: bool = False) -> subprocess.CompletedProcess:
+          timeout: int = 1200, capture: bool = False,
+          test_limit_s: float = 300.0) -> subprocess.CompletedProcess:
     """Run ``ex``'s grader with ``path`` (a student's file; None: the package's own code) standing
-    in for the module. Returns the finished process (exit code 0 = passed)."""
+    in for the module. Returns the finished process whose ``returncode`` is the verdict (0 =
+    passed), decided here from the signed results (``verdict``), never from the exit code of the
+    process that ran the student's code; ``stdout`` ends with the verdict's reason when captured.
+    ``timeout``: the whole grading; ``test_limit_s``: each test."""
     overrides = []
     if path is not None:
         path = Path(path).resolve()
@@ -53,7 +62,68 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")     # no stale .pyc of a student's file
-    cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), str(ex.grader),
-           *overrides, "--", "-q", "--tb=short", "-p", "no:cacheprovider", "--no-header",
-           "-o", "addopts=", "-W", "ignore::DeprecationWarning", *pytest_args]
-    return subprocess.run(cmd, env=env, timeout=timeout, text=True, capture_output=capture)
+    secret = secrets.token_hex(32)
+    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
+        results = Path(tmp) / "results"
+        cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), str(results),
+               str(test_limit_s), str(ex.grader), *overrides, "--", "-q", "--tb=short", "-p",
+               "no:cacheprovider", "--no-header", "-o", "addopts=", "-W",
+               "ignore::DeprecationWarning", *pytest_args]
+        try:
+            done = subprocess.run(cmd, env=env, timeout=timeout, text=True, input=secret + "\n",
+                                  capture_output=capture)
+        except subprocess.TimeoutExpired:
+            done = subprocess.CompletedProcess(cmd, 1, "", "")
+            why = f"the grading ran past its time limit ({timeout} s)"
+        else:
+            why = verdict(results.read_text(encoding="utf-8") if results.exists() else "",
+                          secret.encode(), ex, path)
+    note = f"\nverdict: {'passed' if why is None else 'not passed: ' + why}\n"
+    if capture:
+        done.stdout = (done.stdout or "") + note
+    elif why is not None:
+        print(note, end="")
+    done.returncode = 0 if why is None else 1
+    return done
+
+
+def verdict(results: str, key: bytes, ex: Exercise, path: Path | None) -> str | None:
+    """None if every test of the grader ran and passed, by the signed results; else why not."""
+    collected, outcomes = None, {}
+    for line in results.splitlines():
+        sig, _, msg = line.partition(" ")
+        good = hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(sig, good):
+            return "the grader's results were written over (a line is not the grader's)"
+        kind, nodeid, detail = json.loads(msg)
+        if kind == "collected":
+            collected = json.loads(detail)
+        else:
+            outcomes.setdefault(nodeid, (kind, detail))
+    if not collected:
+        return "no test of the grader ran (did the code end the process while it was imported?)"
+    missing = [n for n in collected if n not in outcomes]
+    failed = [(n, d) for n, (k, d) in outcomes.items() if k != "passed"]
+    if failed:
+        return f"{len(failed)} test(s) failed, first {failed[0][0]}: {failed[0][1]}"
+    if missing:
+        return (f"{len(missing)} of {len(collected)} tests did not finish, first {missing[0]} "
+                "(a time limit, a crash, or a run cut short with -x/-k: only a full run counts)")
+    if path is not None and copies_reference(ex, path):
+        return (f"the functions of exercise {ex.id} in {path.name} are the package's own code, "
+                "not a solution")
+    return None
+
+
+def copies_reference(ex: Exercise, path: Path) -> bool:
+    """Whether every exercised function of the student's file is the reference's, statement for
+    statement (docstrings and comments aside), or the file runs the package's own module."""
+    text = path.read_text(encoding="utf-8")
+    if ex.source_path.name in text and ("exec" in text or "import_module" in text
+                                        or "spec_from" in text):
+        return True
+    try:
+        mine = function_bodies(text, ex.functions)
+    except SyntaxError:
+        return False
+    return mine == function_bodies(ex.source_path.read_text(encoding="utf-8"), ex.functions)

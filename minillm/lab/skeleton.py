@@ -53,3 +53,17 @@ def make_skeleton(source: str, functions: tuple[str, ...], exercise_id: str, hin
     if hint:
         header += textwrap.wrap(f"Hint: {hint}", 96)
     return "".join(f"# {h}\n" for h in header) + "".join(lines)
+
+
+def function_bodies(source: str, functions: tuple[str, ...]) -> dict[str, str]:
+    """Each named function's statements, docstring left out, as a syntax-tree dump (comments and
+    layout do not count): how ``lab check`` tells a copy of the reference from a solution."""
+    defs = _functions(ast.parse(source))
+    out = {}
+    for name in functions:
+        body = defs[name].body if name in defs else []
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]
+        out[name] = "\n".join(ast.dump(stmt) for stmt in body)
+    return out
