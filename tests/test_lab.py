@@ -136,15 +136,19 @@ def test_cli_lists_and_refuses_unknown_exercises():
 def test_questions_check_answers_computed_from_the_engine(smol, capsys):
     kvb = smol.kv_bytes_per_token
     assert QUESTIONS["00.q1"].truth() == 32 * 2048 * kvb
-    assert lab.check("00.q1", 32 * 2048 * kvb) is True
-    assert lab.check("00.q1", 32 * 2048 * kvb / 2**30) is False          # GiB, not bytes
-    assert "Hint" in capsys.readouterr().out
-    assert lab.check("01.q3a", 2**30 // (2048 * kvb)) is True
-    assert lab.check("01.q3b", "a lot") is False
+    assert lab.is_right("00.q1", 32 * 2048 * kvb) is True
+    assert lab.is_right("00.q1", 32 * 2048 * kvb / 2**30) is False          # GiB, not bytes
+    assert lab.is_right("00.q1", 3e9) is False          # close is not right for a byte count
+    assert lab.check("00.q1", 3e9) is None               # prints, returns nothing to display
+    assert "✗ 00.q1: not yet (3000000000.0). Hint" in capsys.readouterr().out
+    lab.check("00.q1", 32 * 2048 * kvb)
+    assert capsys.readouterr().out == "✓ 00.q1: right.\n"
+    assert lab.is_right("01.q3a", 2**30 // (2048 * kvb)) is True
+    assert lab.is_right("01.q3b", "a lot") is False
     independent, shared = blocks_independent_vs_shared()
     assert shared < independent
-    assert lab.check("03.q3", (independent, shared)) is True
-    assert lab.check("03.q3", [independent, shared + 1]) is False
+    assert lab.is_right("03.q3", (independent, shared)) is True
+    assert lab.is_right("03.q3", [independent, shared + 1]) is False
     with pytest.raises(KeyError, match="no question"):
         lab.check("9.q9", 1)
 

@@ -152,7 +152,10 @@ class BlockManager:
         dst.num_cached_tokens = min(src.num_cached_tokens, src.prompt_len)
 
     def free(self, seq: Sequence) -> None:
-        """Give back one reference to each of ``seq``'s blocks; it holds none afterwards."""
+        """Give back one reference to each of ``seq``'s blocks, last block first; afterwards it
+        holds none and has no K/V: ``num_computed_tokens`` and ``num_cached_tokens`` are 0 (a
+        preempted sequence is recomputed from its tokens; stale counts would make the engine skip
+        them and read K/V that is gone)."""
         # Tail first: the prompt's prefix blocks then sit at the back of the free queue and are
         # evicted last, since they are the likeliest to be reused.
         for bid in reversed(seq.block_table):

@@ -240,8 +240,11 @@ class Scheduler(StepCommit):
                     del seq.spec_token_ids[max(0, planned.get(seq, 0) - 1):]
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Recompute preemption: drop all of the group's KV; its tokens stay, so nothing is lost
-        but the work of computing them again."""
+        """Recompute preemption: drop all of the group's KV (every sequence freed, its tokens
+        this step unscheduled, copies into its blocks dropped); its tokens stay, so nothing is lost
+        but the work of computing them again. Counted in ``request.num_preemptions`` and
+        ``self.num_preemptions``; the group goes back to the waiting queue at its rank (the front,
+        among equals)."""
         self.running.remove(group)
         out.scheduled[:] = [(s, n) for s, n in out.scheduled if s not in group.seqs]
         dropped = {b for seq in group.seqs for b in seq.block_table}

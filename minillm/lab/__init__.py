@@ -10,6 +10,6 @@ The teacher's guide is ``docs/TEACHING.md``.
 """
 from __future__ import annotations
 
-from .questions import QUESTIONS, check
+from .questions import QUESTIONS, check, is_right
 
-__all__ = ["check", "QUESTIONS"]
+__all__ = ["check", "is_right", "QUESTIONS"]

@@ -100,7 +100,8 @@ class Question:
 QUESTIONS: dict[str, Question] = {q.id: q for q in [
     Question("00.q1", "KV memory, in bytes, of 32 concurrent requests of 2,048 tokens on SmolLM2 "
              "(fp32)", lambda: 32 * 2048 * smollm2_kv_bytes_per_token(),
-             "model.kv_bytes_per_token is one token's K and V over all layers; answer in bytes"),
+             "model.kv_bytes_per_token is one token's K and V over all layers; answer in bytes",
+             rel_tol=0.0),
     Question("01.q3a", "rows of 2,048 slots that fit in 1 GiB of KV memory on SmolLM2 (fp32)",
              lambda: 2**30 // (2048 * smollm2_kv_bytes_per_token()),
              "a row reserves 2,048 × kv_bytes_per_token bytes; 1 GiB = 2**30 bytes; whole rows "
@@ -140,11 +141,18 @@ def _close(answer, truth, rel_tol: float) -> bool:
         return False
 
 
-def check(question_id: str, answer) -> bool:
-    """Print whether ``answer`` is right (never the expected value) and return it."""
+def is_right(question_id: str, answer) -> bool:
+    """Whether ``answer`` is right (exactly, for counts and byte sizes; within the question's
+    tolerance for fractions)."""
     q = QUESTIONS.get(str(question_id))
     if q is None:
         raise KeyError(f"no question {question_id!r}: known ones are {', '.join(QUESTIONS)}")
-    ok = _close(answer, q.truth(), q.rel_tol)
+    return _close(answer, q.truth(), q.rel_tol)
+
+
+def check(question_id: str, answer) -> None:
+    """Print whether ``answer`` is right, never the expected value. Returns nothing, so a
+    notebook cell that ends with it shows the sentence only (``is_right`` returns the bool)."""
+    q = QUESTIONS[str(question_id)] if str(question_id) in QUESTIONS else None
+    ok = is_right(question_id, answer)
     print(f"✓ {q.id}: right." if ok else f"✗ {q.id}: not yet ({answer!r}). Hint: {q.hint}.")
-    return ok
