@@ -3,6 +3,7 @@ empty skeleton with a message naming what to write, and fails a plausible wrong 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 
@@ -236,3 +237,68 @@ def test_pytest_arguments_after_double_dash_wherever_it_falls(tmp_path, capsys):
     assert "verdict: not passed" in out and "blocks_needed is not written yet" in out
     with pytest.raises(SystemExit):
         main(["list", "--", "-x"])
+
+
+# --- teacher mode -------------------------------------------------------------------------------------
+def solved(ex_id: str) -> str:
+    """The reference's code with one harmless statement added: a solution, not a copy."""
+    source = EXERCISES[ex_id].source_path.read_text()
+    assert "        # Tail first" in source
+    return source.replace("        # Tail first", "        _ = 0\n        # Tail first", 1)
+
+
+@pytest.mark.slow
+def test_grade_a_class_of_three(tmp_path):
+    import csv
+    import xml.etree.ElementTree as ET
+
+    from minillm.lab.teacher import grade_class, table
+    ex = EXERCISES["03"]
+    cls = tmp_path / "class"
+    sources = {"ann": solved("03"), "bob": ex.source_path.read_text().replace(*WRONG["03"]),
+               "eve": "import os\nos._exit(0)\n" + skeleton("03", tmp_path)}
+    for name, text in sources.items():
+        (cls / name / "03").mkdir(parents=True)
+        (cls / name / "03" / ex.file_name).write_text(text)
+    (cls / "dan").mkdir()                                       # handed in nothing
+    grades = grade_class(cls, ["03"], tmp_path / "grades", progress=lambda *_: None)
+    by = {g.student: g for g in grades}
+    assert by["ann"].passed and by["ann"].points == 1.0 and by["ann"].tests_total >= 4
+    assert not by["bob"].passed and 0 <= by["bob"].points < 1 and "failed" in by["bob"].reason
+    assert not by["eve"].passed and by["eve"].points == 0 and "no test" in by["eve"].reason
+    assert not by["dan"].passed and by["dan"].reason == "no 03/block_manager.py"
+    rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
+    assert [(r["student"], r["passed"]) for r in rows] == [("ann", "1"), ("bob", "0"),
+                                                          ("dan", "0"), ("eve", "0")]
+    suites = ET.parse(tmp_path / "grades.xml").getroot()
+    assert [s.get("name") for s in suites] == ["ann", "bob", "dan", "eve"]
+    assert [s.get("failures") for s in suites] == ["0", "1", "1", "1"]
+    text = table(grades)
+    assert "ann" in text and "passed: 03 1/4" in text
+
+
+@pytest.mark.slow
+def test_handout_has_no_solutions_and_its_check_uses_the_teacher_s_graders(tmp_path):
+    from minillm.lab.grade import PACKAGE_ROOT
+    from minillm.lab.skeleton import function_bodies
+    from minillm.lab.teacher import handout
+    out = handout(tmp_path / "students", list(EXERCISES))
+    assert not (out / "minillm/lab/graders").exists() and not (out / "docs/ANSWERS.md").exists()
+    assert not (out / "tests").exists() and not (out / ".git").exists()
+    for ex in EXERCISES.values():
+        ref = {k: v for k, v in function_bodies(ex.source_path.read_text(), ex.functions).items()
+               if v.count("\n") >= 1}          # bodies of two statements or more
+        for f in out.rglob("*.py"):
+            mine = function_bodies(f.read_text(encoding="utf-8"), ex.functions)
+            same = [k for k, v in ref.items() if mine.get(k) == v]
+            assert not same, f"{f}: reference bodies of {same}"
+    out = handout(tmp_path / "students-03", ["03"])     # only exercise 03 left to write
+    env = {**os.environ, "PYTHONPATH": str(out)}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "minillm.lab", *a], cwd=out, env=env,
+                                    capture_output=True, text=True)
+    assert run("answers").returncode == 2
+    assert "has none" in run("check", "03").stderr + run("check", "03").stdout
+    (out / "labwork" / "03").mkdir(parents=True)
+    (out / "labwork" / "03" / "block_manager.py").write_text(solved("03"))
+    graded = run("check", "03", "--graders", str(PACKAGE_ROOT / "minillm/lab/graders"))
+    assert graded.returncode == 0, graded.stdout[-2000:] + graded.stderr[-2000:]

@@ -34,8 +34,13 @@ def cmd_check(args) -> int:
     path = None if args.reference else Path(args.file) if args.file else \
         student_file(ex, Path(args.dir))
     who = "the package's own code (the reference)" if path is None else str(path)
+    # from the work folder, the student's other exercises stand in too: in a handout the
+    # package's own copies of those functions are stubs
+    also = {} if args.reference or args.file else {
+        e.module: f for e in EXERCISES.values()
+        if e.module != ex.module and (f := student_file(e, Path(args.dir))).exists()}
     print(f"grading exercise {ex.id} ({ex.title}) on {who}…", flush=True)
-    rc = check(ex, path, tuple(args.pytest_args)).returncode
+    rc = check(ex, path, tuple(args.pytest_args), graders=args.graders, also=also).returncode
     if rc == 0:
         print(f"\n✓ exercise {ex.id} passes: the engine runs your code and gets the right answers.")
     else:
@@ -44,7 +49,32 @@ def cmd_check(args) -> int:
     return 0 if rc == 0 else 1
 
 
+def cmd_grade(args) -> int:
+    from .teacher import grade_class, table
+    exercises = [e.strip() for e in args.exercises.split(",") if e.strip()] or list(EXERCISES)
+    for e in exercises:
+        get(e)
+    grades = grade_class(Path(args.class_dir), exercises, Path(args.out), args.limit_s)
+    print(table(grades))
+    print(f"wrote {Path(args.out).with_suffix('.csv')} and {Path(args.out).with_suffix('.xml')}")
+    return 0
+
+
+def cmd_handout(args) -> int:
+    from .teacher import handout
+    exercises = [e.strip() for e in args.exercises.split(",") if e.strip()] or list(EXERCISES)
+    for e in exercises:
+        get(e)
+    out = handout(Path(args.out), exercises)
+    print(f"wrote the students' repository to {out}: exercises {', '.join(exercises)} as stubs; "
+          "no graders, tests, answer key or history. Grade with `lab grade --class` here.")
+    return 0
+
+
 def cmd_answers(_args) -> int:
+    if not (Path(__file__).parent / "graders").is_dir():
+        print("this copy is a handout: the key stays with the teacher")
+        return 2
     from .questions import QUESTIONS
     print("The key to the notebooks' numeric questions (computed now, from the engine):")
     for q in QUESTIONS.values():
@@ -77,8 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--file", help="grade this file instead of labwork/<id>/<module>.py")
     c.add_argument("--reference", action="store_true",
                    help="grade the package's own code (the reference solution)")
+    c.add_argument("--graders", help="a folder of graders (a teacher's; a handout has none)")
     c.add_argument("pytest_args", nargs="*", help="passed to pytest (after --), e.g. -- -x")
     c.set_defaults(fn=cmd_check)
+    g = sub.add_parser("grade", help="teacher: grade a class (one folder per student)")
+    g.add_argument("--class", dest="class_dir", required=True,
+                   help="a folder of student folders, each laid out as `start` writes")
+    g.add_argument("--exercises", default="", help="comma-separated (default: all)")
+    g.add_argument("--out", default="grades", help="writes OUT.csv and OUT.xml (JUnit)")
+    g.add_argument("--limit-s", type=int, default=1200,
+                   help="time limit per student and exercise, seconds")
+    g.set_defaults(fn=cmd_grade)
+    h = sub.add_parser("handout", help="teacher: write the students' repository")
+    h.add_argument("out", help="a new folder")
+    h.add_argument("--exercises", default="", help="comma-separated (default: all)")
+    h.set_defaults(fn=cmd_handout)
     sub.add_parser("answers", help="the teacher's key to the numeric questions") \
         .set_defaults(fn=cmd_answers)
     t = sub.add_parser("timings", help="run the notebooks headless and time each section")

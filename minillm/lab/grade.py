@@ -45,14 +45,23 @@ def start(ex: Exercise, workdir: Path = DEFAULT_DIR, force: bool = False) -> Pat
 
 
 def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] = (),
-          timeout: int = 1200, capture: bool = False,
-          test_limit_s: float = 300.0) -> subprocess.CompletedProcess:
+          timeout: int = 1200, capture: bool = False, test_limit_s: float = 300.0,
+          graders: Path | None = None,
+          also: dict[str, Path] | None = None) -> subprocess.CompletedProcess:
     """Run ``ex``'s grader with ``path`` (a student's file; None: the package's own code) standing
     in for the module. Returns the finished process whose ``returncode`` is the verdict (0 =
     passed), decided here from the signed results (``verdict``), never from the exit code of the
     process that ran the student's code; ``stdout`` ends with the verdict's reason when captured.
-    ``timeout``: the whole grading; ``test_limit_s``: each test."""
-    overrides = []
+    ``timeout``: the whole grading; ``test_limit_s``: each test. ``graders``: a folder holding
+    ``test_<id>.py`` and its ``conftest.py`` (a teacher's, for a handout without them); ``also``:
+    more stand-ins, module -> file (a student's other exercises, in a handout). The parsed
+    results are ``done.results``: (test ids collected, {test id: (outcome, detail)})."""
+    grader = Path(graders) / ex.grader.name if graders else ex.grader
+    if not grader.exists():
+        raise SystemExit(f"no grader {grader}: this copy has none (a handout?): your teacher "
+                         f"grades with theirs, or pass --graders FOLDER")
+    overrides = [f"{module}={Path(f).resolve()}" for module, f in (also or {}).items()
+                 if module != ex.module]
     if path is not None:
         path = Path(path).resolve()
         if not path.exists():
@@ -66,18 +75,19 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
         results = Path(tmp) / "results"
         cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), str(results),
-               str(test_limit_s), str(ex.grader), *overrides, "--", "-q", "--tb=short", "-p",
+               str(test_limit_s), str(grader), *overrides, "--", "-q", "--tb=short", "-p",
                "no:cacheprovider", "--no-header", "-o", "addopts=", "-W",
                "ignore::DeprecationWarning", *pytest_args]
         try:
             done = subprocess.run(cmd, env=env, timeout=timeout, text=True, input=secret + "\n",
                                   capture_output=capture)
-        except subprocess.TimeoutExpired:
-            done = subprocess.CompletedProcess(cmd, 1, "", "")
-            why = f"the grading ran past its time limit ({timeout} s)"
-        else:
-            why = verdict(results.read_text(encoding="utf-8") if results.exists() else "",
-                          secret.encode(), ex, path)
+            late = None
+        except subprocess.TimeoutExpired as e:
+            done = subprocess.CompletedProcess(cmd, 1, _text(e.stdout), _text(e.stderr))
+            late = f"the grading ran past its time limit ({timeout} s)"
+        text = results.read_text(encoding="utf-8") if results.exists() else ""
+        done.results = read_results(text, secret.encode())
+        why = late or verdict(done.results, ex, path)
     note = f"\nverdict: {'passed' if why is None else 'not passed: ' + why}\n"
     if capture:
         done.stdout = (done.stdout or "") + note
@@ -87,10 +97,15 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     return done
 
 
-def verdict(results: str, key: bytes, ex: Exercise, path: Path | None) -> str | None:
-    """None if every test of the grader ran and passed, by the signed results; else why not."""
-    collected, outcomes = None, {}
-    for line in results.splitlines():
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def read_results(text: str, key: bytes) -> tuple[list[str], dict] | str:
+    """(test ids collected, {test id: (outcome, detail)}) from the signed lines, or why they
+    cannot be believed."""
+    collected, outcomes = [], {}
+    for line in text.splitlines():
         sig, _, msg = line.partition(" ")
         good = hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
         if not hmac.compare_digest(sig, good):
@@ -100,6 +115,15 @@ def verdict(results: str, key: bytes, ex: Exercise, path: Path | None) -> str | 
             collected = json.loads(detail)
         else:
             outcomes.setdefault(nodeid, (kind, detail))
+    return collected, outcomes
+
+
+def verdict(results: tuple[list[str], dict] | str, ex: Exercise,
+            path: Path | None) -> str | None:
+    """None if every test of the grader ran and passed, by the signed results; else why not."""
+    if isinstance(results, str):
+        return results
+    collected, outcomes = results
     if not collected:
         return "no test of the grader ran (did the code end the process while it was imported?)"
     missing = [n for n in collected if n not in outcomes]

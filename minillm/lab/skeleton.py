@@ -24,8 +24,10 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
-def make_skeleton(source: str, functions: tuple[str, ...], exercise_id: str, hint: str = "") -> str:
-    """``source`` with the bodies of ``functions`` replaced (see the module docstring)."""
+def make_skeleton(source: str, functions: tuple[str, ...], exercise_id: str, hint: str = "",
+                  header: bool = True) -> str:
+    """``source`` with the bodies of ``functions`` replaced (see the module docstring); with
+    ``header``, a comment on top saying what to do (``lab start``; a handout's modules have none)."""
     tree = ast.parse(source)
     defs = _functions(tree)
     missing = [f for f in functions if f not in defs]
@@ -48,11 +50,13 @@ def make_skeleton(source: str, functions: tuple[str, ...], exercise_id: str, hin
         if first is None:         # only a docstring: the stub goes after it
             start = end
         lines[start:end] = stub
-    header = [f"minillm lab, exercise {exercise_id}: write the functions marked TODO, then run",
-              f"    python -m minillm.lab check {exercise_id}"]
+    if not header:
+        return "".join(lines)
+    top = [f"minillm lab, exercise {exercise_id}: write the functions marked TODO, then run",
+           f"    python -m minillm.lab check {exercise_id}"]
     if hint:
-        header += textwrap.wrap(f"Hint: {hint}", 96)
-    return "".join(f"# {h}\n" for h in header) + "".join(lines)
+        top += textwrap.wrap(f"Hint: {hint}", 96)
+    return "".join(f"# {h}\n" for h in top) + "".join(lines)
 
 
 def function_bodies(source: str, functions: tuple[str, ...]) -> dict[str, str]:

@@ -1,0 +1,140 @@
+"""Teacher mode: grade a class, and hand students a copy without the solutions (docs/TEACHING.md).
+
+    python -m minillm.lab grade --class submissions/        # one folder per student
+    python -m minillm.lab handout ../student-repo           # the students' repository
+
+``grade_class`` grades every student's files with this copy's graders and reference modules —
+each exercise on its own, the student's file standing in for its module — and writes a table,
+a CSV and a JUnit XML: per student and exercise, the verdict, the tests passed out of the
+grader's tests (the points) and the reason. A student's folder is laid out as ``lab start``
+writes it (``alice/03/block_manager.py``). ``handout`` writes the repository students get: the
+files git tracks, no history, the exercised functions' bodies replaced by the skeleton's stubs,
+and neither graders, tests nor answer key.
+"""
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from .exercises import EXERCISES, Exercise
+from .grade import PACKAGE_ROOT, check
+from .skeleton import make_skeleton
+
+# Teacher-only files: never in a handout (the graders are the hidden tests; the key is the key).
+WITHHELD = ("minillm/lab/graders/", "tests/", "docs/ANSWERS.md", ".ci/")
+
+
+@dataclass
+class Grade:
+    student: str
+    exercise: str
+    passed: bool
+    tests_passed: int
+    tests_total: int
+    reason: str
+
+    @property
+    def points(self) -> float:
+        """1 for a passed exercise, else the share of the grader's tests that passed."""
+        return 1.0 if self.passed else self.tests_passed / max(1, self.tests_total)
+
+
+def grade_one(student: str, ex: Exercise, folder: Path, limit_s: int) -> Grade:
+    path = folder / ex.id / ex.file_name
+    if not path.exists():
+        return Grade(student, ex.id, False, 0, 0, f"no {ex.id}/{ex.file_name}")
+    done = check(ex, path, capture=True, timeout=limit_s)
+    reason = done.stdout.rsplit("verdict:", 1)[-1].strip()
+    collected, outcomes = done.results if isinstance(done.results, tuple) else ([], {})
+    ok = sum(1 for n in collected if outcomes.get(n, ("",))[0] == "passed")
+    return Grade(student, ex.id, done.returncode == 0, ok, len(collected), reason)
+
+
+def grade_class(class_dir: Path, exercises: list[str], out: Path, limit_s: int = 1200,
+                progress=print) -> list[Grade]:
+    """Grade every student folder of ``class_dir`` on ``exercises``; write ``out``.csv and
+    ``out``.xml (JUnit) and return the grades."""
+    students = sorted(p for p in Path(class_dir).iterdir() if p.is_dir())
+    if not students:
+        raise SystemExit(f"{class_dir} has no student folders (one folder per student, laid "
+                         "out as `lab start` writes: NAME/03/block_manager.py)")
+    grades = []
+    for i, folder in enumerate(students, 1):
+        for ex_id in exercises:
+            progress(f"[{i}/{len(students)}] {folder.name}: exercise {ex_id}…")
+            grades.append(grade_one(folder.name, EXERCISES[ex_id], folder, limit_s))
+    write_csv(grades, out.with_suffix(".csv"))
+    write_junit(grades, out.with_suffix(".xml"))
+    return grades
+
+
+def write_csv(grades: list[Grade], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "exercise", "passed", "tests_passed", "tests_total", "points",
+                    "reason"])
+        for g in grades:
+            w.writerow([g.student, g.exercise, int(g.passed), g.tests_passed, g.tests_total,
+                        f"{g.points:.2f}", g.reason])
+
+
+def write_junit(grades: list[Grade], path: Path) -> None:
+    suites = ET.Element("testsuites")
+    for student in dict.fromkeys(g.student for g in grades):
+        mine = [g for g in grades if g.student == student]
+        suite = ET.SubElement(suites, "testsuite", name=student, tests=str(len(mine)),
+                              failures=str(sum(not g.passed for g in mine)))
+        for g in mine:
+            case = ET.SubElement(suite, "testcase", classname=student, name=f"exercise {g.exercise}")
+            ET.SubElement(case, "properties").append(ET.Element(
+                "property", name="points", value=f"{g.points:.2f}"))
+            if not g.passed:
+                ET.SubElement(case, "failure", message=g.reason[:500])
+    ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def table(grades: list[Grade]) -> str:
+    """One row per student, a column per exercise (points), and the summary."""
+    exercises = list(dict.fromkeys(g.exercise for g in grades))
+    rows = [f"{'student':20s}" + "".join(f"{e:>14s}" for e in exercises) + f"{'total':>8s}"]
+    for student in dict.fromkeys(g.student for g in grades):
+        mine = {g.exercise: g for g in grades if g.student == student}
+        cells = [("✓ " if mine[e].passed else "✗ ") + f"{mine[e].points:.2f}" for e in exercises]
+        rows.append(f"{student:20s}" + "".join(f"{c:>14s}" for c in cells)
+                    + f"{sum(g.points for g in mine.values()):>8.2f}")
+    passed = {e: sum(g.passed for g in grades if g.exercise == e) for e in exercises}
+    n = len(rows) - 1
+    rows.append("passed: " + ", ".join(f"{e} {k}/{n}" for e, k in passed.items()))
+    return "\n".join(rows)
+
+
+def handout(out: Path, exercises: list[str]) -> Path:
+    """Write the students' repository into ``out`` (which must not exist yet)."""
+    out = Path(out)
+    if out.exists():
+        raise SystemExit(f"{out} already exists: give a new folder")
+    listed = subprocess.run(["git", "ls-files"], cwd=PACKAGE_ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        raise SystemExit(f"handout copies the files git tracks: {PACKAGE_ROOT} is not a git "
+                         f"checkout of minillm ({listed.stderr.strip()})")
+    files = listed.stdout.splitlines()
+    stubbed = {str(EXERCISES[e].source_path.relative_to(PACKAGE_ROOT)): [] for e in exercises}
+    for e in exercises:
+        stubbed[str(EXERCISES[e].source_path.relative_to(PACKAGE_ROOT))].append(EXERCISES[e])
+    for rel in files:
+        if rel.startswith(WITHHELD):
+            continue
+        src, dst = PACKAGE_ROOT / rel, out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if rel in stubbed:
+            text = src.read_text(encoding="utf-8")
+            for ex in stubbed[rel]:
+                text = make_skeleton(text, ex.functions, ex.id, ex.hint, header=False)
+            dst.write_text(text, encoding="utf-8")
+        elif src.is_file():
+            shutil.copy2(src, dst)
+    return out
