@@ -36,6 +36,18 @@ WRONG_06_RESIDUAL = ("residual = (target - q).clamp_(min=0)", "residual = target
 # index (the tokens then depend on how the request's steps fell: the batch, the pool)
 WRONG_06_SEEDED = ("draw_uniform(p.seed, first_index + j, sample_id)",
                    "draw_uniform(p.seed, j, sample_id)")
+# More mistakes students make (issue 26): each must fail its grader.
+MORE_WRONG = {
+    "03": [("return last.ref_count > 1 or last.hash is not None", "return last.ref_count > 1")],
+    "03-scheduler": [
+        ("        self.waiting.insert(0, group)\n        self.waiting.sort(key=self.rank)",
+         "        self.waiting.append(group)\n        self.waiting.sort(key=lambda g: 0)"),
+        ("victim = self._lowest_ranked(exclude)",
+         "victim = next(g for g in self.running if g not in exclude)"),
+        ("        self._readopt_prompt(group)\n        for seq in group.seqs:\n            num_new",
+         "        for seq in group.seqs:\n            num_new")],
+    "04": [("v.transpose(1, 2), attn_mask=bias, scale=scale)", "v.transpose(1, 2), attn_mask=bias)")],
+}
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone
 
@@ -99,6 +111,10 @@ def test_grader_passes_the_reference_and_fails_skeleton_and_mistake(ex_id, tmp_p
     old, new = WRONG[ex_id]
     wrong = grade(ex, tmp_path, source.replace(old, new))
     assert wrong.returncode != 0, f"{ex_id}: the grader accepts a wrong solution"
+    for old, new in MORE_WRONG.get(ex_id, []):
+        assert old in source, f"{ex_id}: the mistake {new!r} no longer applies"
+        wrong = grade(ex, tmp_path, source.replace(old, new))
+        assert wrong.returncode != 0, f"{ex_id}: the grader accepts {new!r}"
     if ex_id == "03":
         wrong = grade(ex, tmp_path, source.replace(*WRONG_03_FREE))
         assert wrong.returncode != 0, "03: the grader accepts freeing a shared block"

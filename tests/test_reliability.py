@@ -101,3 +101,22 @@ def test_fuzz_soak_paged(tiny):
     reasons = Counter(r.finish_reason for r in submitted if r.finish_reason)
     assert reasons[FinishReason.ABORT] and reasons[FinishReason.LENGTH]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_scheduler_that_stops_scheduling_is_an_error_not_a_hang(tiny):
+    """A livelock (running requests that never get scheduled: a lab solution that forgets
+    _readopt_prompt, say) ends with a RuntimeError after MAX_IDLE_STEPS steps in a row; an empty
+    engine stepped for ever (a synthetic timeline's ticks) never raises."""
+    from minillm.core.engine import MAX_IDLE_STEPS
+    from minillm.core.scheduler import SchedulerOutput
+
+    engine = LLM(tiny, engine="paged").engine
+    for _ in range(MAX_IDLE_STEPS + 5):
+        engine.step()                                   # nothing to do: fine
+    engine.add_request(Request([5, 6, 7], SamplingParams(max_tokens=50)))
+    engine.step()
+    engine.scheduler.schedule = lambda *a, **k: SchedulerOutput([], [], [])
+    for _ in range(MAX_IDLE_STEPS - 1):
+        engine.step()
+    with pytest.raises(RuntimeError, match=f"scheduled nothing for {MAX_IDLE_STEPS} steps"):
+        engine.step()

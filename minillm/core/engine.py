@@ -31,6 +31,8 @@ from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
 from .sequence import Sequence
 
+MAX_IDLE_STEPS = 64     # steps in a row that schedule nothing before the engine calls it a livelock
+
 
 class PagedEngine(Engine):
     name = "paged"
@@ -71,6 +73,7 @@ class PagedEngine(Engine):
         self.backend = backend   # (None when a runner was given without one)
         self.runner, self.sampler = runner, sampler or Sampler()
         self.aborted: list[Request] = []
+        self._idle_run = (-2, 0)       # (step of the latest step that scheduled nothing, in a row)
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> ModelRunner:
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
@@ -162,10 +165,23 @@ class PagedEngine(Engine):
         return out
 
     def _idle(self, out: StepOutput) -> StepOutput:
-        """Nothing was scheduled: fine while requests wait for memory held by running ones (or
-        were just aborted), a bug if the pool is empty and the queue still is not."""
-        if not self.scheduler.running and self.scheduler.waiting and not out.finished:
+        """Nothing was scheduled: fine for a step while requests wait for memory held by running
+        ones (or were just aborted), a bug if the pool is empty and the queue still is not, or if
+        it goes on for ``MAX_IDLE_STEPS`` steps in a row (a livelock: raised, never a hang)."""
+        sched = self.scheduler
+        if not sched.running and sched.waiting and not out.finished:
             raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
+        step = self.total_steps                  # idle steps count only when in a row
+        stuck = bool(sched.running or sched.waiting) and not out.finished
+        run = self._idle_run[1] + 1 if stuck and self._idle_run[0] == step - 1 else int(stuck)
+        self._idle_run = (step, run)
+        if run >= MAX_IDLE_STEPS:
+            self._idle_run = (-2, 0)
+            raise RuntimeError(
+                f"the scheduler scheduled nothing for {MAX_IDLE_STEPS} steps in a row while "
+                f"{len(sched.running)} requests run and {len(sched.waiting)} wait: no progress "
+                "(does preempt free the blocks? do a preempted request's samples adopt its prompt "
+                "again, _readopt_prompt?)")
         return out
 
     def complete(self, reached: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:

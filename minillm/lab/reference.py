@@ -46,3 +46,39 @@ def assert_greedy_match(got: list[int], ref: Reference, tie_tol: float = 1e-3, l
 def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_samples_and_beams_survive_pressure(functions: str) -> None:
+    """n = 3 and n = 2 seeded sampling, beam search and a greedy request, in a pool tight enough to
+    fork, copy on write, hit the prefix cache and preempt, must give exactly what a roomy pool
+    gives (no pressure): the same engine, in float64 so that the batch's shape cannot flip a
+    token. ``functions``: what to look at when they differ (named in the message)."""
+    from .. import LLM, SamplingParams, load_model
+
+    model = load_model("tiny-llama", dtype=torch.float64)
+    prefix = [7, 8, 9, 10, 11, 12, 13, 14]          # two full blocks shared by every prompt
+    prompts = [prefix + p for p in random_prompts(4, seed=61, lo=1, hi=5)]
+    params = [SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=8, beam_width=2, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=9, n=2, temperature=0.7, seed=3, ignore_eos=True)]
+
+    def run(**pool):
+        llm = LLM(model, engine="paged", block_size=4, **pool)
+        reqs = llm.make_requests(prompts, params)
+        outs = llm.run(reqs).outputs
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks, \
+            "blocks leaked: the pool is not full again after every request finished"
+        return [o.samples for o in outs], reqs, llm.engine.num_preemptions
+
+    roomy, _, _ = run(num_blocks=400)
+    tight, reqs, preemptions = run(num_blocks=18, max_num_seqs=4, max_num_batched_tokens=8,
+                                   enable_prefix_caching=True)
+    assert preemptions > 0, "the tight pool was meant to preempt"
+    kinds = ["n = 3 sampling", "beam search (2 beams)", "greedy", "n = 2 sampling"]
+    for kind, req, got, want in zip(kinds, reqs, tight, roomy):
+        assert got == want, (
+            f"{kind}: a tight pool (forks, copy-on-write, prefix hits, preemption; this request "
+            f"was preempted {req.num_preemptions} times) gave other tokens than a roomy pool: "
+            f"look at {functions}\ngot  {got}\nwant {want}")

@@ -14,7 +14,8 @@ from minillm import LLM, SamplingParams
 from minillm.core.block_manager import BlockManager
 from minillm.core.sequence import Sequence
 from minillm.lab.checks import check_block_invariants
-from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
+from minillm.lab.reference import (assert_greedy_match, assert_samples_and_beams_survive_pressure,
+                                   hf_greedy, random_prompts)
 from minillm.request import Request
 
 
@@ -116,3 +117,29 @@ def test_parallel_samples_share_their_prompt(tiny):
     llm.generate([list(range(3, 13))], SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=0),
                  on_step=lambda snap, rec: peaks.append(int((snap.ref_counts > 1).sum())))
     assert max(peaks) >= 2, "the samples' first prompt blocks should be shared (ref_count > 1)"
+
+
+def test_samples_and_beams_survive_a_tight_pool():
+    assert_samples_and_beams_survive_pressure(
+        "BlockManager.fork (samples share blocks), append_slots and _needs_cow (copy-on-write, "
+        "also of a block the prefix cache holds) and free")
+
+
+def test_writing_into_a_block_the_prefix_cache_lists_copies_it():
+    """Speculative decoding's rollback (``truncate``) can leave a sequence's last block full and
+    listed in the prefix cache under its old tokens; writing new tokens there would change what a
+    later prefix hit reads. ``append_slots`` must copy it first, as it copies a shared block."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    tokens = list(range(10, 18))
+    seq = Sequence(Request(tokens), list(tokens), len(tokens))
+    bm.append_slots(seq, 8)
+    seq.num_computed_tokens = 8
+    bm.cache_full_blocks(seq)                 # both blocks listed under their tokens
+    bm.truncate(seq, 6)                       # rejected guesses: positions 6 and 7 go
+    seq.token_ids[6:] = [90, 91]
+    cached = seq.block_table[1]
+    copies = bm.append_slots(seq, 2)
+    assert copies == [(cached, seq.block_table[1])] and seq.block_table[1] != cached, (
+        "append_slots into a block the prefix cache lists must copy it first (_needs_cow: "
+        "ref_count > 1 or a hash), returning (source, destination)")
+    check_block_invariants(bm, [seq])

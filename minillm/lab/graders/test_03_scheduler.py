@@ -15,7 +15,8 @@ from minillm.core.block_manager import BlockManager
 from minillm.core.runner import reaching_end, step_order
 from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.lab.checks import check_block_invariants
-from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
+from minillm.lab.reference import (assert_greedy_match, assert_samples_and_beams_survive_pressure,
+                                   hf_greedy, random_prompts)
 from minillm.request import Request
 
 
@@ -98,3 +99,61 @@ def test_paged_engine_with_this_scheduler_equals_hf(tiny):
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.error is None, o.error
         assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 9), label=f"request {i}")
+
+
+def admitted_and_stepped(sched: Scheduler, reqs: list[Request]) -> SchedulerOutput:
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    fake_step(sched, out)
+    return out
+
+
+def test_a_preempted_request_goes_back_ahead_of_later_arrivals():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=2)
+    a, b, c = (Request(list(range(6)), SamplingParams(max_tokens=20), request_id=x) for x in "abc")
+    out = admitted_and_stepped(sched, [a, b, c])      # a and b run, c waits (two seats)
+    assert [g.request.request_id for g in sched.waiting] == ["c"]
+    sched.preempt(sched.groups["b"], out)
+    assert [g.request.request_id for g in sched.waiting] == ["b", "c"], (
+        "a preempted request goes back in front of the requests that arrived after it (preempt: "
+        "its place in the waiting queue is its rank, not the back)")
+
+
+def test_memory_preemption_evicts_the_lowest_ranked_running_request():
+    """Three requests of 8 tokens fill 6 blocks of 4; each next token needs a new block: the
+    newest (lowest-ranked under fcfs) must be the one preempted."""
+    bm = BlockManager(6, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=4)
+    reqs = [Request(list(range(8)), SamplingParams(max_tokens=6), request_id=x) for x in "abc"]
+    admitted_and_stepped(sched, reqs)
+    out = sched.schedule()
+    assert [g.request.request_id for g in out.preempted] == ["c"], (
+        "_schedule_running: when a sequence needs a block and none is free, preempt the "
+        "lowest-ranked running request (self._lowest_ranked(exclude)), not the one asking")
+
+
+def test_nobody_overtakes_the_head_of_the_queue():
+    """The head of the queue does not fit the pool yet; a smaller request behind it would: it
+    must wait too (otherwise a stream of small requests starves a large one)."""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=4)
+    admitted_and_stepped(sched, [Request(list(range(20)), SamplingParams(max_tokens=8),
+                                         request_id="running")])
+    big = Request(list(range(16)), SamplingParams(max_tokens=2), request_id="big")
+    small = Request(list(range(3)), SamplingParams(max_tokens=2), request_id="small")
+    sched.add(big)
+    sched.add(small)
+    out = sched.schedule()
+    admitted = {s.request.request_id for s, _ in out.scheduled}
+    assert admitted == {"running"}, (
+        f"scheduled {sorted(admitted)}: _schedule_waiting must stop at a head that does not fit, "
+        "not admit the requests behind it")
+
+
+def test_samples_and_beams_survive_a_tight_pool():
+    assert_samples_and_beams_survive_pressure(
+        "Scheduler.preempt and _schedule_running (a preempted n > 1 request or beam search "
+        "recomputes its prompt once, then its samples adopt it: _readopt_prompt), and "
+        "_schedule_waiting")

@@ -51,13 +51,15 @@ def test_decode_through_block_tables_equals_plain_attention(lens, block_size, kv
         assert torch.equal(got, ks[b]), \
             f"gather of sequence {b} ({n} tokens) must return exactly the K rows written for it"
     q = torch.randn(len(lens), heads, d, generator=gen)
-    out = attn.decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
+    scale = 0.61 * d ** -0.5          # not SDPA's default: decode must use the scale it is given
+    out = attn.decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale)
     assert tuple(out.shape) == (len(lens), heads, d)
     for b, n in enumerate(lens):
-        want = plain_attention(q[b], ks[b], vs[b], d ** -0.5)
+        want = plain_attention(q[b], ks[b], vs[b], scale)
         assert torch.allclose(out[b], want, atol=1e-5), (
-            f"sequence {b}: decode differs from attention over its own {n} tokens (reading other "
-            "sequences' slots, or past context_lens?)")
+            f"sequence {b}: decode differs from attention over its own {n} tokens with scale "
+            f"{scale:.4f} (reading other sequences' slots, past context_lens, or another "
+            "scale?)")
 
 
 def test_paged_engine_with_this_attention_equals_hf(tiny):
