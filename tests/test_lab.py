@@ -38,7 +38,11 @@ WRONG_06_SEEDED = ("draw_uniform(p.seed, first_index + j, sample_id)",
                    "draw_uniform(p.seed, j, sample_id)")
 # More mistakes students make (issue 26): each must fail its grader.
 MORE_WRONG = {
-    "03": [("return last.ref_count > 1 or last.hash is not None", "return last.ref_count > 1")],
+    "03": [("return last.ref_count > 1 or last.hash is not None", "return last.ref_count > 1"),
+           ("        for bid in reversed(seq.block_table):\n", "        for bid in seq.block_table:\n"),
+           ("            self.free_queue[bid] = None     # most recently freed: evicted last",
+            "            self.free_queue[bid] = None\n            self.free_queue.move_to_end(bid, "
+            "last=False)")],
     "03-scheduler": [
         ("        self.waiting.insert(0, group)\n        self.waiting.sort(key=self.rank)",
          "        self.waiting.append(group)\n        self.waiting.sort(key=lambda g: 0)"),

@@ -143,3 +143,23 @@ def test_writing_into_a_block_the_prefix_cache_lists_copies_it():
         "append_slots into a block the prefix cache lists must copy it first (_needs_cow: "
         "ref_count > 1 or a hash), returning (source, destination)")
     check_block_invariants(bm, [seq])
+
+
+def test_free_puts_blocks_at_the_back_of_the_queue_tail_first():
+    """With prefix caching, a freed block keeps its contents until it is taken again, and blocks
+    are taken from the front of the free queue: so ``free`` puts a sequence's blocks at the back,
+    its last block first, and its first block (a prompt's prefix, the likeliest to be reused)
+    very last."""
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    tokens = list(range(20, 32))
+    seq = Sequence(Request(tokens), list(tokens), len(tokens))
+    bm.append_slots(seq, 12)
+    seq.num_computed_tokens = 12
+    bm.cache_full_blocks(seq)
+    table = list(seq.block_table)
+    bm.free(seq)
+    order = list(bm.free_queue)
+    assert order[-3:] == table[::-1] and len(order) == 8, (
+        f"free queue after free: {order}; the freed blocks {table} must be at its back, last "
+        "block first (free: release tail first; _release: a block whose count reaches 0 joins "
+        "the back of the queue)")
