@@ -64,7 +64,7 @@ def assert_samples_and_beams_survive_pressure(functions: str) -> None:
               SamplingParams(max_tokens=9, n=2, temperature=0.7, seed=3, ignore_eos=True)]
 
     def run(**pool):
-        llm = LLM(model, engine="paged", block_size=4, **pool)
+        llm = LLM(model, engine="paged", block_size=4, attention_backend="torch", **pool)
         reqs = llm.make_requests(prompts, params)
         outs = llm.run(reqs).outputs
         assert all(o.error is None for o in outs), [o.error for o in outs]

@@ -66,7 +66,8 @@ class TorchAttention:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, H, D] -> [B, H, D]; sequence b attends to its first context_lens[b] tokens."""
+        """q [B, H, D] -> [B, H, D]; sequence b attends to its first context_lens[b] tokens, the
+        scores scaled by ``scale`` (the model's, which need not be 1/√D)."""
         slots, bias = self.decode_index(block_tables, context_lens, k_cache.shape[1], q.dtype)
         B, H, D = q.shape
         kvh = k_cache.shape[2]

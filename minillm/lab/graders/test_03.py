@@ -101,7 +101,8 @@ def test_paged_engine_on_this_block_manager_equals_hf(tiny):
     scheduler preempts — the tokens must not change."""
     prompts = random_prompts(6, seed=31, lo=3, hi=14)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=10, max_num_batched_tokens=16)
+    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=10, max_num_batched_tokens=16,
+              attention_backend="torch")
     outs = llm.generate(prompts, params)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.error is None, o.error
@@ -112,7 +113,7 @@ def test_paged_engine_on_this_block_manager_equals_hf(tiny):
 
 def test_parallel_samples_share_their_prompt(tiny):
     """n = 3 samples of one 10-token prompt: the prompt's blocks are shared, not copied."""
-    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=32)
+    llm = LLM(tiny, engine="paged", block_size=4, num_blocks=32, attention_backend="torch")
     peaks = []
     llm.generate([list(range(3, 13))], SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=0),
                  on_step=lambda snap, rec: peaks.append(int((snap.ref_counts > 1).sum())))

@@ -94,7 +94,7 @@ def test_paged_engine_with_this_scheduler_equals_hf(tiny):
     prompts = random_prompts(8, seed=41, lo=3, hi=16)
     params = SamplingParams(max_tokens=9, ignore_eos=True)
     llm = LLM(tiny, engine="paged", block_size=4, num_blocks=10, max_num_batched_tokens=7,
-              max_num_seqs=4)
+              max_num_seqs=4, attention_backend="torch")
     outs = llm.generate(prompts, params)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.error is None, o.error

@@ -64,12 +64,13 @@ def run_half_right(tiny, params: SamplingParams) -> None:
         return [Request(list(p), SamplingParams(**{**vars(params), "seed": None if params.seed is None
                                                    else params.seed + i}), request_id=f"r{i}")
                 for i, p in enumerate(prompts)]
-    plain = LLM(tiny, engine="paged", block_size=4).run(requests())
+    plain = LLM(tiny, engine="paged", block_size=4, attention_backend="torch").run(requests())
     refs = {o.request_id: o.token_ids for o in plain.outputs}
     if params.greedy:      # the plain engine itself equals Hugging Face ``generate``
         assert_greedy_match(refs["r0"], hf_greedy(tiny, prompts[0], 16), label="r0 (plain)")
     engine = SpeculativeEngine(tiny, proposer=HalfRightProposer(refs), speculative="ngram",
-                               num_speculative_tokens=3, block_size=4)
+                               num_speculative_tokens=3, block_size=4,
+                               attention_backend="torch")
     res = engine.run(requests())
     for out in res.outputs:
         assert out.token_ids == refs[out.request_id], (

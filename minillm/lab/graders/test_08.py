@@ -214,7 +214,8 @@ def test_policies_change_the_order_never_the_tokens(tiny, policy):
 
     def run(policy_name):
         llm = LLM(tiny, engine="paged", block_size=4, num_blocks=24, max_num_seqs=3,
-                  max_num_batched_tokens=16, enable_prefix_caching=True, policy=policy_name)
+                  max_num_batched_tokens=16, enable_prefix_caching=True, policy=policy_name,
+                  attention_backend="torch")
         reqs = [Request(p, params[i % 3], request_id=f"q{i}", priority=10 - i)
                 for i, p in enumerate(prompts)]
         for r in reqs:                  # one arrival per step, each more urgent than the last
