@@ -70,13 +70,23 @@ def time_notebook(path: Path, quick: bool = True, timeout: int = 3600,
             "sections": {k: round(v, 1) for k, v in sections.items()}}
 
 
+def _readable(output) -> bool:
+    """Whether an output means something in a page nobody runs: not a live widget (it needs a
+    kernel; the static export leaves a picture of its last frame right after it) and not a
+    progress bar on stderr (loading weights)."""
+    if "application/vnd.jupyter.widget-view+json" in output.get("data", {}):
+        return False
+    text = output.get("text", "") if output.get("output_type") == "stream" else ""
+    return not (output.get("name") == "stderr" and ("\r" in text or "it/s]" in text))
+
+
 def write_html(nb, out: Path) -> Path:
     """The executed notebook as one self-contained HTML page (images embedded)."""
     from nbconvert import HTMLExporter
 
-    for cell in nb.cells:           # widgets cannot render without a kernel: keep their text
-        for o in cell.get("outputs", []):
-            o.get("data", {}).pop("application/vnd.jupyter.widget-view+json", None)
+    for cell in nb.cells:
+        if "outputs" in cell:
+            cell.outputs = [o for o in cell.outputs if _readable(o)]
     nb.metadata.pop("widgets", None)
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
     out.parent.mkdir(parents=True, exist_ok=True)
