@@ -106,7 +106,9 @@ def test_paged_engine_on_this_block_manager_equals_hf(tiny):
     outs = llm.generate(prompts, params)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.error is None, o.error
-        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 10), label=f"request {i}")
+        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 10), label=(
+            f"request {i} (preempted {o.num_preemptions} times; look at append_slots, free and "
+            "_release: a recomputed request must find its slots again)"))
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "after the run every block is back in the pool"
 

@@ -98,7 +98,9 @@ def test_paged_engine_with_this_scheduler_equals_hf(tiny):
     outs = llm.generate(prompts, params)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.error is None, o.error
-        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 9), label=f"request {i}")
+        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, 9), label=(
+            f"request {i} (preempted {o.num_preemptions} times; look at preempt: all its blocks "
+            "freed, and _schedule_running/_schedule_waiting: it is recomputed from its tokens)"))
 
 
 def admitted_and_stepped(sched: Scheduler, reqs: list[Request]) -> SchedulerOutput:
