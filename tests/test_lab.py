@@ -39,6 +39,8 @@ WRONG_06_SEEDED = ("draw_uniform(p.seed, first_index + j, sample_id)",
 # More mistakes students make (issue 26): each must fail its grader.
 MORE_WRONG = {
     "03": [("return last.ref_count > 1 or last.hash is not None", "return last.ref_count > 1"),
+           ("        if self._needs_cow(seq, num_new_tokens):\n            need += 1\n        return need",
+            "        return need"),
            ("        for bid in reversed(seq.block_table):\n", "        for bid in seq.block_table:\n"),
            ("            self.free_queue[bid] = None     # most recently freed: evicted last",
             "            self.free_queue[bid] = None\n            self.free_queue.move_to_end(bid, "

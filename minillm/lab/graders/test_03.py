@@ -166,3 +166,18 @@ def test_free_puts_blocks_at_the_back_of_the_queue_tail_first():
         f"free queue after free: {order}; the freed blocks {table} must be at its back, last "
         "block first (free: release tail first; _release: a block whose count reaches 0 joins "
         "the back of the queue)")
+
+
+def test_blocks_needed_counts_the_copy_on_write_block():
+    """A forked sequence whose last block is shared and not full: its next token fits that block,
+    but writing it means copying the block first, so it needs one new block (so does the parent:
+    the block is shared both ways). ``can_append`` and the scheduler rely on this count."""
+    bm = BlockManager(8, 4)
+    seq = Sequence(Request(list(range(6))), list(range(6)), 6)
+    bm.append_slots(seq, 6)
+    seq.num_computed_tokens = 6
+    child = bm.fork(seq)
+    assert bm.blocks_needed(child, 1) == 1 and bm.blocks_needed(seq, 1) == 1, (
+        "blocks_needed: a token written into a shared block needs one new block for the copy "
+        "(_needs_cow), even when the block has room")
+    assert bm.blocks_needed(child, 2) == 1 and bm.blocks_needed(child, 3) == 2
