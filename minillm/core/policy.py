@@ -116,17 +116,17 @@ class Score:
         return max(0, math.floor(head / self.wait_weight))
 
 
-POLICIES = ("fcfs", "priority", "score")
+NAMED = {"fcfs": FCFS, "priority": Priority, "score": Score}
+POLICIES = tuple(NAMED)
 
 
 def get_policy(policy: SchedulingPolicy | str) -> SchedulingPolicy:
     """``policy`` itself, or the policy a name names, with its default weights."""
     if not isinstance(policy, str):
         return policy
-    named = {"fcfs": FCFS, "priority": Priority, "score": Score}
-    if policy not in named:
+    if policy not in NAMED:
         raise ValueError(f"unknown policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    return named[policy]()
+    return NAMED[policy]()
 
 
 def make_policy(config: SchedulerConfig) -> SchedulingPolicy:

@@ -122,9 +122,10 @@ def handout(out: Path, exercises: list[str]) -> Path:
         raise SystemExit(f"handout copies the files git tracks: {PACKAGE_ROOT} is not a git "
                          f"checkout of minillm ({listed.stderr.strip()})")
     files = listed.stdout.splitlines()
-    stubbed = {str(EXERCISES[e].source_path.relative_to(PACKAGE_ROOT)): [] for e in exercises}
+    stubbed: dict[str, list[Exercise]] = {}      # a module may hold several exercises
     for e in exercises:
-        stubbed[str(EXERCISES[e].source_path.relative_to(PACKAGE_ROOT))].append(EXERCISES[e])
+        ex = EXERCISES[e]
+        stubbed.setdefault(ex.source_path.relative_to(PACKAGE_ROOT).as_posix(), []).append(ex)
     for rel in files:
         if rel.startswith(WITHHELD):
             continue
