@@ -57,12 +57,18 @@ class LoadedModel:
         return int(pad) if pad is not None else min(self.eos_token_ids)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes one token's K and V take across all layers — the unit of every memory plot."""
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head_dim): the shape of one token's K (or V) over the model."""
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * elem
+        return c.num_hidden_layers, c.num_key_value_heads, head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take across all layers in the model's dtype — the unit of
+        every memory plot (a paged engine with a narrower ``kv_cache_dtype`` has its own)."""
+        layers, kv_heads, head_dim = self.kv_geometry
+        return 2 * layers * kv_heads * head_dim * (torch.finfo(self.dtype).bits // 8)
 
 
 def cache_dir() -> Path:

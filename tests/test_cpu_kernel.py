@@ -42,11 +42,19 @@ def test_bad_tables_are_errors_not_reads_outside_the_pool():
     bad = kv.tables.clone()
     bad[1, 0] = kv.k_ref.shape[0] + 7
     with pytest.raises(RuntimeError, match="not in the pool"):
-        kernel.paged_decode(q, kv.k_ref, kv.v_ref, bad, kv.context_lens, SCALE)
+        kernel.paged_decode(q, kv.k_ref, kv.v_ref, None, None, bad, kv.context_lens, SCALE)
     with pytest.raises(RuntimeError, match="does not fit its block table"):
-        kernel.paged_decode(q, kv.k_ref, kv.v_ref, kv.tables, kv.context_lens * 10, SCALE)
-    with pytest.raises(RuntimeError, match="do not match"):
-        kernel.paged_decode(q.double(), kv.k_ref, kv.v_ref, kv.tables, kv.context_lens, SCALE)
+        kernel.paged_decode(q, kv.k_ref, kv.v_ref, None, None, kv.tables, kv.context_lens * 10,
+                            SCALE)
+    with pytest.raises(RuntimeError, match="do not match"):      # 4 query heads, 2 KV heads
+        kernel.paged_decode(q[:, :3], kv.k_ref, kv.v_ref, None, None, kv.tables, kv.context_lens,
+                            SCALE)
+    with pytest.raises(RuntimeError, match="scales for both pools or neither"):
+        kernel.paged_decode(q, kv.k_ref, kv.v_ref, kv.k_ref[..., 0], None, kv.tables,
+                            kv.context_lens, SCALE)
+    with pytest.raises(RuntimeError, match="one scale per stored row"):
+        kernel.paged_decode(q, kv.k_ref, kv.v_ref, kv.k_ref[..., :2], kv.v_ref[..., :2],
+                            kv.tables, kv.context_lens, SCALE)
 
 
 def test_engine_tokens_equal_torch_backend(tiny):

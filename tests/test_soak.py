@@ -54,12 +54,14 @@ class SoakConfig:
     policy: str
     tight: bool
     kinds: tuple[str, ...]     # request kinds drawn: "n1", "nmany" (n = 2..4), "beam"
+    kv_cache_dtype: str = "auto"
 
     def engine_options(self) -> dict:
         return dict(block_size=self.block_size, num_blocks=self.num_blocks,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     max_num_seqs=self.max_num_seqs,
-                    enable_prefix_caching=self.enable_prefix_caching, policy=self.policy)
+                    enable_prefix_caching=self.enable_prefix_caching, policy=self.policy,
+                    kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Op:
 
 
 def make_config(seed: int, block_size: int, prefix: bool, policy: str, tight: bool,
-                kinds: tuple[str, ...]) -> SoakConfig:
+                kinds: tuple[str, ...], kv_cache_dtype: str = "auto") -> SoakConfig:
     rng = random.Random(f"config-{seed}")
     max_width = max({"n1": 1, "nmany": 4, "beam": 3}[k] for k in kinds)
     worst = max(blocks_for_request(MAX_PROMPT, MAX_TOKENS, w, block_size) for w in {1, max_width})
@@ -109,7 +111,8 @@ def make_config(seed: int, block_size: int, prefix: bool, policy: str, tight: bo
     return SoakConfig(seed, block_size, num_blocks,
                       max_num_batched_tokens=rng.choice([8, 12, 16, 24, 32, 48, 64]),
                       max_num_seqs=rng.randint(3, 8) if tight else rng.randint(1, 8),
-                      enable_prefix_caching=prefix, policy=policy, tight=tight, kinds=kinds)
+                      enable_prefix_caching=prefix, policy=policy, tight=tight, kinds=kinds,
+                      kv_cache_dtype=kv_cache_dtype)
 
 
 def make_ops(config: SoakConfig, num_ops: int, vocab: int) -> list[Op]:
@@ -344,10 +347,13 @@ def run_soak(model, config: SoakConfig, ops: list[Op]) -> SoakRun:
     return run
 
 
-def run_roomy(model, specs: list[Spec]) -> dict[int, RequestOutput]:
-    """The same requests on a pool where nothing is preempted or cached: the reference."""
+def run_roomy(model, specs: list[Spec], kv_cache_dtype: str = "auto") -> dict[int, RequestOutput]:
+    """The same requests on a pool where nothing is preempted or cached: the reference (its KV
+    stored as the soaked engine's is: a quantized row depends on the row alone, so blocks that
+    were copied, cached, freed and recomputed must still give the same tokens)."""
     engine = create_engine("paged", model, num_blocks=4096, enable_prefix_caching=False,
-                           max_num_seqs=256, max_num_batched_tokens=4096)
+                           max_num_seqs=256, max_num_batched_tokens=4096,
+                           kv_cache_dtype=kv_cache_dtype)
     reqs = {spec.key: spec.make() for spec in specs}
     key_of = {r.request_id: k for k, r in reqs.items()}
     for req in reqs.values():
@@ -421,7 +427,7 @@ def check_run(model, run: SoakRun) -> dict:
         assert run.finals[key] == 1, f"{run.reqs[key].request_id}: {run.finals[key]} final answers"
     eos = model.eos_token_ids
     compare = [s for k, s in run.specs.items() if k not in run.rejected and s.deterministic]
-    refs = run_roomy(model, compare)
+    refs = run_roomy(model, compare, run.config.kv_cache_dtype)
     stats = Counter()
     for key, spec in run.specs.items():
         out = run.outputs[key]
@@ -485,8 +491,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def soak(model, seed, block_size, prefix, policy, tight, kinds, num_ops):
-    config = make_config(seed, block_size, prefix, policy, tight, kinds)
+def soak(model, seed, block_size, prefix, policy, tight, kinds, num_ops, kv_cache_dtype="auto"):
+    config = make_config(seed, block_size, prefix, policy, tight, kinds, kv_cache_dtype)
     ops = make_ops(config, num_ops, model.config.vocab_size)
     run = run_soak(model, config, ops)
     stats = check_run(model, run)
@@ -512,6 +518,15 @@ def test_soak_paged(tiny64, seed, block_size, prefix, policy, tight):
 def test_soak_paged_n1(tiny64, seed, block_size, prefix, policy, tight):
     """n = 1 requests only (greedy and sampled)."""
     soak(tiny64, seed, block_size, prefix, policy, tight, ("n1",), num_ops=NUM_OPS)
+
+
+@pytest.mark.parametrize("seed,block_size,kv_cache_dtype", [(301, 4, "int8"), (302, 2, "fp8"),
+                                                         (303, 8, "bfloat16")])
+def test_soak_quantized_cache(tiny64, seed, block_size, kv_cache_dtype):
+    """A narrow cache (rung 9) under the same pressure: forks, copy-on-write, prefix hits,
+    preemption, aborts. Scales must travel with their blocks (a copy that left them behind, or a
+    recomputed block read with a stale scale, gives other tokens than the roomy run)."""
+    soak(tiny64, seed, block_size, True, "fcfs", True, ALL_KINDS, NUM_OPS, kv_cache_dtype)
 
 
 def test_step_driven_engine_forgets_finished_requests(tiny):

@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..request import check_float, check_int
+from .kv_quant import KV_CACHE_DTYPES
 from .policy import POLICIES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -47,19 +48,24 @@ def check_bool(name: str, value) -> None:
 # --- rung 3's configs --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CacheConfig:
-    """The KV pool: its blocks and how many (notebook 03)."""
+    """The KV pool: its blocks, how many (notebook 03) and how wide each slot is (notebook 09)."""
 
     block_size: int = option(16, "paged: tokens per KV block")
     num_blocks: int | None = option(None, "paged: KV pool size in blocks")
     kv_cache_bytes: int | None = option(None, "paged: KV pool size in bytes (default 1 GiB)")
     enable_prefix_caching: bool = option(False, "paged: reuse KV blocks of shared prompt "
                                                 "prefixes")
+    kv_cache_dtype: str = option("auto", "paged: how KV is stored: auto (the model's dtype), "
+                                         "float16, bfloat16, int8 or fp8 (core/kv_quant.py)")
 
     def __post_init__(self):
         set_checked(self, "block_size")
         set_checked(self, "num_blocks", optional=True)
         set_checked(self, "kv_cache_bytes", optional=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}: choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
     def num_blocks_for(self, bytes_per_token: int, max_model_len: int, max_num_seqs: int) -> int:
         """Blocks in the pool: ``num_blocks``, or as many as ``kv_cache_bytes`` hold (default

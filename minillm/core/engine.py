@@ -23,6 +23,7 @@ from ..engines.base import Engine, StepOutput
 from .attention import get_attention_backend
 from .beam import select_beams as core_select_beams
 from .block_manager import BlockManager
+from .kv_quant import get_format
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .linear import get_linear_kernel
 from .policy import make_policy
@@ -53,8 +54,9 @@ class PagedEngine(Engine):
         the real ones are built (the runner by ``make_runner``)."""
         super().__init__(model, **options)
         cache, limits = self.cache_config, self.scheduler_config
+        self.kv_format = get_format(cache.kv_cache_dtype)    # how wide a slot is (rung 9)
         if block_manager is None:
-            num_blocks = cache.num_blocks_for(model.kv_bytes_per_token, self.max_model_len,
+            num_blocks = cache.num_blocks_for(self.kv_bytes_per_token, self.max_model_len,
                                               limits.max_num_seqs)
             block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         elif runner is None:
@@ -79,7 +81,12 @@ class PagedEngine(Engine):
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
         extension point later rungs override (rung 7 runs a stage of the layers)."""
         return ModelRunner(self.model, num_blocks, block_size, backend,
-                           linear_kernel=self.linear_kernel())
+                           linear_kernel=self.linear_kernel(), kv_format=self.kv_format)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V over all layers as this pool stores them (``kv_cache_dtype``)."""
+        return self.kv_format.bytes_per_token(*self.model.kv_geometry, self.model.dtype)
 
     def linear_kernel(self):
         """The kernel of the linear layers ``model_config.linear_backend`` names (linear.py)."""
@@ -234,9 +241,9 @@ class PagedEngine(Engine):
         return waiting[0].request if waiting else None
 
     def kv_counts(self) -> KVCounts:
-        return self.block_manager.counts(self.scheduler.live_seqs(), self.model.kv_bytes_per_token,
+        return self.block_manager.counts(self.scheduler.live_seqs(), self.kv_bytes_per_token,
                                          self._head())
 
     def snapshot(self) -> MemorySnapshot:
         return self.block_manager.snapshot(self.scheduler.live_seqs(), self.name, self.step_count,
-                                           self.model.kv_bytes_per_token, self._head())
+                                           self.kv_bytes_per_token, self._head())

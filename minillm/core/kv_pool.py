@@ -2,7 +2,9 @@
 
 One K tensor and one V tensor per layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A block id means the same rows in every one of them: the ``BlockManager`` hands out ids, the
-runner writes and reads the rows (through the slot mapping and block tables). Every runner owns
+runner writes and reads the rows (through the slot mapping and block tables). With a narrower
+``kv_cache_dtype`` (rung 9, kv_quant.py) each pool is a ``QuantizedPool``: the same rows, stored
+in 16 bits, int8 or fp8, and a scale per row that moves with its block. Every runner owns
 one pool for the layers it runs: the whole model (rung 3), the draft's first layers (rung 6's
 draft proposer) or one pipeline stage's slice (rung 7).
 """
@@ -10,17 +12,20 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import FORMATS, KVCacheFormat, make_pool, pool_tensors
+
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 fmt: KVCacheFormat = FORMATS["auto"]):
+        """``dtype``: the model's (what attention computes in); ``fmt``: how rows are stored."""
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device, self.fmt = dtype, torch.device(device), fmt
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # (k, v) per layer, in layer order: what PagedLlama.forward_layers reads and writes.
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(num_layers)]
+        self.caches = [(make_pool(shape, fmt, dtype, self.device),
+                        make_pool(shape, fmt, dtype, self.device)) for _ in range(num_layers)]
 
     @property
     def num_layers(self) -> int:
@@ -30,14 +35,19 @@ class KVPool:
     def num_bytes(self) -> int:
         """What the pool really holds, measured on its tensors. For the whole model it equals
         ``num_blocks * block_size * LoadedModel.kv_bytes_per_token`` (the engine's unit)."""
-        return sum(t.numel() * t.element_size() for kv in self.caches for t in kv)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool holds (a narrow pool's scales included), each indexed by block."""
+        return [t for kv in self.caches for pool in kv for t in pool_tensors(pool)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: ``(src, dst)`` block pairs, every layer's K and V rows of ``src`` copied
-        into ``dst`` (a sequence gets its own copy of a block it shared before writing into it)."""
+        into ``dst`` (a sequence gets its own copy of a block it shared before writing into it).
+        The stored bytes are copied as they are, scales with them: never requantized."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.caches:
-            k[dst], v[dst] = k[src], v[src]
+        for t in self.tensors():
+            t[dst] = t[src]

@@ -16,6 +16,7 @@ from torch.profiler import record_function
 from ..models import LoadedModel
 from .attention.reference import AttentionMetadata
 from .kv_pool import KVPool
+from .kv_quant import FORMATS, KVCacheFormat
 from .model import PagedLlama
 from .sequence import Sequence
 
@@ -71,8 +72,8 @@ class ModelRunner:
     def __init__(self, model: LoadedModel | None, num_blocks: int, block_size: int, backend, *,
                  net: PagedLlama | None = None, layers: range | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 linear_kernel=None):
-        """``net`` defaults to ``PagedLlama(model.hf_model, linear_kernel)`` (its weights, read
+                 linear_kernel=None, kv_format: KVCacheFormat = FORMATS["auto"]):
+        """``kv_format``: how the pool stores K/V (rung 9's ``kv_cache_dtype``); ``net`` defaults to ``PagedLlama(model.hf_model, linear_kernel)`` (its weights, read
         once; ``linear_kernel``: see core/linear.py),
         ``layers`` to all of them, ``device`` and ``dtype`` to the model's; without ``model``,
         give all three."""
@@ -88,12 +89,12 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.pool = KVPool(len(self.layers), num_blocks, block_size, self.net.num_kv_heads,
-                           self.net.head_dim, dtype or model.dtype, self.device)
+                           self.net.head_dim, dtype or model.dtype, self.device, kv_format)
         if self.device.type == "cpu":
             keep_freed_memory()
 
     @property
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def kv_caches(self) -> list[tuple]:
         """The pool's (k, v) per layer of ``layers``, as ``PagedLlama.forward`` takes them."""
         return self.pool.caches
 

@@ -71,6 +71,12 @@ class Engine:
         self._run_lock = threading.Lock()
         self._run_thread: int | None = None
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's KV takes in this engine's cache (the model's dtype unless a paged
+        engine stores it narrower: rung 9)."""
+        return self.model.kv_bytes_per_token
+
     # --- what each step implements -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         raise NotImplementedError
@@ -260,12 +266,12 @@ class ContiguousEngine(Engine):
 
     def kv_counts(self) -> KVCounts:
         rows, width = self._rows()
-        return rectangle_counts(rows, width, self.model.kv_bytes_per_token)
+        return rectangle_counts(rows, width, self.kv_bytes_per_token)
 
     def snapshot(self) -> MemorySnapshot:
         rows, width = self._rows()
         return rectangle_snapshot(self.name, self.step_count, rows, width,
-                                  self.model.kv_bytes_per_token)
+                                  self.kv_bytes_per_token)
 
 
 def timed_ms(fn, *args, **kwargs):

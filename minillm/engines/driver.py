@@ -300,7 +300,7 @@ class Driver:
             raise
         outputs = list(self.kept_outputs.values())
         metrics = summarize(self.engine.name, outputs, self.steps, self.clock.elapsed(),
-                            self.engine.model.kv_bytes_per_token)
+                            self.engine.kv_bytes_per_token)
         metrics.extra.update(self.engine.run_extra())
         return RunResult(outputs, metrics, self.steps)
 

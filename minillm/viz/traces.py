@@ -125,7 +125,7 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "",
     return Trace(sims, engine.block_size, engine.block_manager.num_blocks,
                  sched.max_num_batched_tokens, sched.max_num_seqs,
                  engine.block_manager.enable_prefix_caching, sched.policy.name,
-                 engine.max_model_len, engine.model.kv_bytes_per_token,
+                 engine.max_model_len, engine.kv_bytes_per_token,
                  [{"step": s.step, "num_running": s.num_running, **s.kv.as_dict()}
                   for s in result.steps], source, policy_options(engine.scheduler_config))
 

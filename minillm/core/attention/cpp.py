@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..kv_quant import QuantizedPool
 from . import cpp_build
 from .reference import TorchAttention
 
@@ -80,8 +81,9 @@ def cpp_available() -> bool:
 
 
 class CppAttention(TorchAttention):
-    """Rung 3's attention with the decode part in C++ (CPU, fp32/fp64); everything else, and any
-    other device or dtype, is the torch reference."""
+    """Rung 3's attention with the decode part in C++ (CPU, fp32/fp64 queries; pools in the same
+    type or, rung 9, a narrower one with scales); everything else, and any other device or dtype,
+    is the torch reference."""
 
     name = "cpp"
 
@@ -94,4 +96,8 @@ class CppAttention(TorchAttention):
         if (self.kernel is None or q.device.type != "cpu"
                 or q.dtype not in (torch.float32, torch.float64)):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-        return self.kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if isinstance(k_cache, QuantizedPool):    # stored narrow: widened inside the kernel
+            return self.kernel.paged_decode(q, k_cache.data, v_cache.data, k_cache.scale,
+                                            v_cache.scale, block_tables, context_lens, scale)
+        return self.kernel.paged_decode(q, k_cache, v_cache, None, None, block_tables,
+                                        context_lens, scale)

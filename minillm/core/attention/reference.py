@@ -108,7 +108,10 @@ class TorchAttention:
         start = 0
         for s, (qlen, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_ctx_lens)):
             qs = q[start:start + qlen].transpose(0, 1)[None]              # [1, H, qlen, d]
-            if ctx == qlen:   # nothing cached before this chunk: its own K/V are the context
+            # Nothing cached before this chunk: its own K/V are the context -- unless the pool
+            # stores them narrower (rung 9): then every read goes through the pool, as in the
+            # kernels, so a prompt sees the same K/V whether it is prefilled in chunks or not.
+            if ctx == qlen and isinstance(k_cache, torch.Tensor):
                 k, v = k_new[start:start + qlen], v_new[start:start + qlen]
                 mask, causal = None, True
             else:             # attend to the cached prefix too, read through the block table

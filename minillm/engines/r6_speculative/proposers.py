@@ -70,10 +70,11 @@ class DraftModelProposer:
 
     def __init__(self, target: ModelRunner, num_layers: int, num_blocks: int):
         # The target's own net (the same weight tensors), run for its first ``num_layers``
-        # layers only, then its final norm and head; the pool holds those layers' K/V.
+        # layers only, then its final norm and head; the pool holds those layers' K/V, stored
+        # as the target's are (kv_cache_dtype, rung 9).
         self.runner = ModelRunner(None, num_blocks, target.block_size, target.backend,
                                   net=target.net, layers=range(num_layers), device=target.device,
-                                  dtype=target.pool.dtype)
+                                  dtype=target.pool.dtype, kv_format=target.pool.fmt)
         self.block_manager = BlockManager(num_blocks, target.block_size)
         self.seqs: dict[int, Sequence] = {}            # target seq_id -> the draft's own copy
         self.probs: dict[int, torch.Tensor] = {}       # target seq_id -> q of its last guesses

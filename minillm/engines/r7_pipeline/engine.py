@@ -100,7 +100,8 @@ class PipelineEngine(PagedEngine):
         """Rank 0's stage (the first slice of the layers and their KV pool). The workers build
         theirs from the same ``stage_config``, which ``__init__`` sends them once they are up."""
         self.stage_config = StageConfig(self.parallel_config.pipeline_parallel_size, num_blocks,
-                                        block_size, self.model_config.attention_backend)
+                                        block_size, self.model_config.attention_backend,
+                                        self.cache_config.kv_cache_dtype)
         return StageRunner(PagedLlama(self.model.hf_model, self.linear_kernel()), 0,
                            self.stage_config, backend, self.model.device, self.model.dtype)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...core.attention.reference import AttentionMetadata
+from ...core.kv_quant import get_format
 from ...core.model import PagedLlama
 from ...core.runner import ModelRunner, reaching_end
 from ...core.sequence import Sequence
@@ -49,6 +50,7 @@ class StageConfig:
     num_blocks: int
     block_size: int
     attention_backend: str | None
+    kv_cache_dtype: str = "auto"         # how every stage stores its K/V (rung 9)
 
 
 @dataclass
@@ -98,7 +100,8 @@ class StageRunner(ModelRunner):
     def __init__(self, net: PagedLlama, rank: int, config: StageConfig, backend, device, dtype):
         start, end = split_layers(len(net.layers), config.world_size)[rank]
         super().__init__(None, config.num_blocks, config.block_size, backend, net=net,
-                         layers=range(start, end), device=device, dtype=dtype)
+                         layers=range(start, end), device=device, dtype=dtype,
+                         kv_format=get_format(config.kv_cache_dtype))
         self.rank, self.world_size = rank, config.world_size
         self.hidden_size = net.embed.shape[1]
 
