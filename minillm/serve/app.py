@@ -97,7 +97,11 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
         kv, eng = loop.kv, loop.engine
         gauges = {"vllm:num_requests_running": loop.num_running(),
                   "vllm:num_requests_waiting": loop.num_waiting(),
-                  "vllm:kv_cache_usage_perc": (kv.allocated / kv.total) if kv.total else 0.0}
+                  "vllm:kv_cache_usage_perc": (kv.allocated / kv.total) if kv.total else 0.0,
+                  # real bytes, in the pool's own format (a narrow kv_cache_dtype: rung 9)
+                  "minillm:kv_cache_bytes_per_token": kv.bytes_per_slot,
+                  "minillm:kv_cache_bytes": kv.total * kv.bytes_per_slot,
+                  "minillm:kv_cache_used_bytes": kv.allocated * kv.bytes_per_slot}
         counters = {"vllm:num_preemptions_total": eng.num_preemptions,
                     "vllm:prefix_cache_hits_total": eng.prefix_hit_tokens,
                     "minillm:engine_steps_total": loop.step_count,

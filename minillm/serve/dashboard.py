@@ -74,6 +74,7 @@ class Dashboard:
             "engine": eng.name, "model": eng.model.name,
             "policy": getattr(getattr(eng, "scheduler", None), "policy", None) and
             eng.scheduler.policy.name,
+            "kv_cache_dtype": getattr(getattr(eng, "kv_format", None), "name", None),
             "running": [self.row(r) for r in self.requests(running=True)],
             "waiting": [self.row(r, text=False) for r in self.requests(running=False)],
             "kv": kv_json(eng.snapshot()),
@@ -118,7 +119,8 @@ def kv_json(snap: MemorySnapshot) -> dict:
     shared = [] if snap.ref_counts is None else (np.asarray(snap.ref_counts)[:keep] > 1).tolist()
     return {"layout": snap.layout, "row_label": snap.row_label, "rows": rows, "cols": cols,
             "shown_rows": keep, "kinds": kinds, "owner": first.tolist(), "owners": snap.owners,
-            "shared": shared, "counts": snap.counts.as_dict()}
+            "shared": shared, "counts": snap.counts.as_dict(),
+            "bytes_per_slot": snap.counts.bytes_per_slot}
 
 
 def add_dashboard(app: FastAPI, loop: EngineLoop, llm) -> Dashboard:

@@ -140,6 +140,10 @@ GAUGE_HELP = {
     "vllm:num_requests_running": "Requests in the running batch (holding KV memory).",
     "vllm:num_requests_waiting": "Requests accepted and waiting to be scheduled.",
     "vllm:kv_cache_usage_perc": "Fraction of KV-cache slots in use (1 = full).",
+    "minillm:kv_cache_bytes_per_token": "Bytes one token's K and V take in the pool, over all "
+                                        "layers, in its kv_cache_dtype (scales included).",
+    "minillm:kv_cache_bytes": "Bytes of the KV pool (free and cached slots included).",
+    "minillm:kv_cache_used_bytes": "Bytes of the KV pool held by requests.",
 }
 COUNTER_HELP = {
     "vllm:num_preemptions_total": "Preemptions (a running request's KV dropped to recompute).",

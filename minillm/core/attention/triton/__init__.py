@@ -12,7 +12,11 @@ blocks *in place*, through the block table, one block at a time:
 * ``kernels.paged_extend``: a chunk of new tokens per sequence attends causally to the cached
   prefix and to itself (prefill, chunked prefill, prefix caching).
 
-``backend.TritonAttention`` wraps them behind the same three methods as ``TorchAttention``.
+``kernels.py`` holds the kernels (device code, read top to bottom); ``launch.py`` the Python
+functions that check shapes and launch them (re-exported by ``kernels``, and importable without
+triton); ``backend.TritonAttention`` puts them behind the same three methods as ``TorchAttention``.
+All three take rung 9's narrow pools too (``core/kv_quant.py``): int8/fp8 rows with a scale each,
+or 16-bit rows, quantized inside the store kernel and widened inside the attention kernels' loads.
 
 Without a GPU, Triton can still run the kernels through its *interpreter* (numpy, on CPU tensors,
 slow but exact), which is how the tests run. The interpreter is chosen when a kernel is decorated,

@@ -15,26 +15,38 @@ Three ideas carry all the attention kernels:
   scale once lets the loop use ``exp2``, which is the GPU's native instruction.
 * **fp32 accumulation**, whatever the dtype of the cache: sums of many small terms in fp16 would
   lose the small ones.
+
+Rung 9 (``core/kv_quant.py``) narrows the pool: rows stored in int8 or fp8 with one fp32 scale per
+(token, KV head) in a scale pool ``[num_blocks, block_size, num_kv_heads]``, or in 16 bits without
+one. The store kernel quantizes as it writes; the attention kernels widen each row as they load it
+and fold its scale into that key's score and that value's weight -- a ``tl.constexpr`` flag
+(``SCALED``) compiles that in, so the unscaled kernels are the same as before.
+
+The Python side (shape checks, launch parameters) is ``launch.py``; its functions are re-exported
+here, so ``kernels.paged_decode(...)`` launches a kernel as it always did.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634      # log2(e): exp(x) == exp2(x * LOG2E)
-MIN_SPLIT_TOKENS = 256          # a decode split shorter than this costs more than it saves
+from .launch import (LOG2E, MIN_SPLIT_TOKENS, choose_num_splits, paged_decode,  # noqa: F401
+                     paged_extend, store_kv)
 
 
 # ----------------------------------------------------------------------------------------------
 # 1. store_kv: scatter the new tokens' K/V rows into their cache slots.
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                     stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_cb, stride_ct, stride_ch,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One program per (new token, kv head): copy one ``head_dim`` row of K and one of V."""
+                    stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NARROW: tl.constexpr, QMAX: tl.constexpr):
+    """One program per (new token, kv head): copy one ``head_dim`` row of K and one of V.
+
+    NARROW (rung 9): the pool stores rows in another type than K/V arrive in; each row goes
+    through ``_encode_row`` (with a scale into the scale pool when QMAX > 0: int8, fp8)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)             # int64: pools can exceed 2**31 elements
@@ -45,21 +57,91 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + h * stride_ch + d
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty))
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+    if NARROW:
+        s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_st + h
+        _encode_row(k, k_cache_ptr + dst, k_scale_ptr + s_dst, QMAX)
+        _encode_row(v, v_cache_ptr + dst, v_scale_ptr + s_dst, QMAX)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _encode_row(x, dst, scale_dst, QMAX: tl.constexpr):
+    """Quantize one row [HEAD_DIM] on write, exactly as ``kv_quant.quantize`` does in torch.
+
+    The row's scale is ``max|x| / QMAX`` (1 for an all-zero row), so its largest element lands on
+    ±QMAX and nothing clips. Both divisions are IEEE (``div_rn``): Triton's ``/`` may round
+    differently on a GPU, and a code one step off near a rounding boundary would differ from the
+    torch reference's. The rounding to the stored type is done here, in fp32, rather than left to
+    the cast: ``.to(int8)`` truncates, and Triton's CPU interpreter casts fp32 to fp8 and bf16
+    without rounding to nearest-even. The cast then only re-encodes an exact value, on any device.
+    """
+    stored = dst.dtype.element_ty           # known when the kernel is compiled: static branches
+    x = x.to(tl.float32)
+    if QMAX > 0:
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+        scale = tl.maximum(scale, 1.1754943508222875e-38)   # as torch: a subnormal row reads 0
+        tl.store(scale_dst, scale)
+        x = tl.math.div_rn(x, scale)
+    if stored == tl.int8:
+        x = tl.minimum(tl.maximum(_round_half_even(x), -QMAX), QMAX)
+    elif stored == tl.float8e4nv:
+        x = _round_to_e4m3(x)
+    elif stored == tl.bfloat16:
+        x = _round_to_bf16(x)
+    tl.store(dst, x.to(stored))
+
+
+@triton.jit
+def _round_half_even(x):
+    """``torch.round``: to the nearest integer, ties to even (libdevice's ``rint`` does this on a
+    GPU, but the interpreter has no libdevice). ``x - floor(x)`` is exact for |x| < 2**23."""
+    f = tl.floor(x)
+    frac = x - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (|x| <= 448) rounded to the nearest float8 e4m3 value, ties to even, kept in fp32.
+
+    e4m3 has 3 mantissa bits, so around ``2**e`` its values are ``2**(e - 3)`` apart; below its
+    smallest normal exponent, -6, the subnormals keep the spacing ``2**-9``. The exponent comes
+    from the float's bits (a log2 could land on the wrong side of a power of two), and dividing by
+    a power of two, rounding, multiplying back are all exact in fp32."""
+    biased_exp = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    biased_exp = tl.maximum(biased_exp, 127 - 6)
+    step = ((biased_exp - 3) << 23).to(tl.float32, bitcast=True)    # 2 ** (exponent - 3)
+    return _round_half_even(tl.math.div_rn(x, step)) * step
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """x rounded to the nearest bfloat16, ties to even, kept in fp32: bf16 is fp32's top 16 bits,
+    so add half of the dropped part (minus one, plus the kept last bit: ties go to even) and
+    clear it."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536              # -65536 == 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # 2. decode: one new query token per sequence attends to its whole context.
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_ptr, ctx, first_block, end_block, kv_head,
-                   stride_cb, stride_ct, stride_ch,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_P: tl.constexpr):
+def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, ctx,
+                   first_block, end_block, kv_head, stride_cb, stride_ct, stride_ch, stride_sb,
+                   stride_st, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   GROUP_P: tl.constexpr, SCALED: tl.constexpr):
     """Online softmax of a query group over blocks ``first_block .. end_block - 1`` of a sequence.
 
     ``q`` is ``[GROUP_P, HEAD_DIM]`` fp32, already multiplied by ``scale * log2(e)``. Returns the
     running max ``m`` and sum ``l`` (both ``[GROUP_P]``) and the unnormalised output ``acc``.
+    SCALED: every row loaded is ``stored * scale`` (rung 9); ``q . (k * s) = (q . k) * s``, so the
+    K scale multiplies the block's BLOCK_SIZE scores and the V scale its weights, not every element.
     """
     tok = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_DIM)
@@ -74,10 +156,16 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_ptr, ctx, first_block, end
         offs = block * stride_cb + tok[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        if SCALED:                                  # one scale per row: [BLOCK_SIZE]
+            s_offs = block * stride_sb + tok * stride_st + kv_head
+            k_s = tl.load(k_scale_ptr + s_offs, mask=valid, other=0.0)
+            v_s = tl.load(v_scale_ptr + s_offs, mask=valid, other=0.0)
         # Scores [GROUP_P, BLOCK_SIZE]. A broadcast multiply-and-sum, not tl.dot: tensor cores need
         # at least 16 rows and a GQA group has 1-8 query heads. Decode is bound by memory traffic
         # (each K/V element is used GROUP times), so the arithmetic units are not the bottleneck.
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if SCALED:
+            s = s * k_s[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         # Online softmax step. Every block in the range holds >= 1 valid token, so m_new is finite
         # from the first block on, and exp2(-inf - m_new) = 0 wipes the empty initial state.
@@ -85,18 +173,20 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_ptr, ctx, first_block, end
         alpha = tl.exp2(m - m_new)                  # rescales what was accumulated so far
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        if SCALED:                                  # after l: the softmax weights stay as they are
+            p = p * v_s[None, :]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     return m, l, acc
 
 
 @triton.jit
-def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr,
-                        part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale, blocks_per_split,
-                        stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
-                        stride_cb, stride_ct, stride_ch,
+def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                        ctx_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
+                        blocks_per_split, stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
+                        stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, SCALED: tl.constexpr):
     """Grid (batch, kv head, split). One program serves all GROUP query heads of one KV head.
 
     Why group: with GQA, H // num_kv_heads query heads read the same K/V. Giving each query head
@@ -107,6 +197,10 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out
     ``blocks_per_split`` blocks and writes the partial ``(m, l, acc)``; ``reduce_splits_kernel``
     then merges the slices. Splitting matters when batch * kv_heads programs are too few to occupy
     the GPU: a batch of 1 with 8 KV heads would otherwise run on 8 of 132 SMs.
+
+    SCALED (rung 9): the pools hold int8/fp8 rows and ``k_scale_ptr``/``v_scale_ptr`` their
+    scales; ``_attend_blocks`` applies them, and the partials of a split are already in real units,
+    so ``reduce_splits_kernel`` is the same for every pool.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,9 +220,10 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out
     q = tl.load(q_ptr + q_offs, mask=head_ok[:, None], other=0.0).to(tl.float32)
     q = q * qk_scale                  # scale once here instead of on every score
 
-    m, l, acc = _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_ptr + b * stride_tb, ctx,
-                               first_block, end_block, kv_head, stride_cb, stride_ct, stride_ch,
-                               BLOCK_SIZE, HEAD_DIM, GROUP_P)
+    m, l, acc = _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                               table_ptr + b * stride_tb, ctx, first_block, end_block, kv_head,
+                               stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+                               BLOCK_SIZE, HEAD_DIM, GROUP_P, SCALED)
     if SPLIT:
         # Scratch layout [B, H, num_splits] for m and l, [B, H, num_splits, D] for acc.
         num_splits = tl.num_programs(2)
@@ -171,17 +266,21 @@ def reduce_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, ctx_ptr, out_ptr,
 # 3. extend: a chunk of new tokens per sequence attends causally to the cache (prefix + itself).
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, ctx_ptr, out_ptr,
-                        qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_tb,
-                        stride_cb, stride_ct, stride_ch,
-                        GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                        cu_q_ptr, ctx_ptr, out_ptr, qk_scale, stride_qt, stride_qh, stride_ot,
+                        stride_oh, stride_tb, stride_cb, stride_ct, stride_ch, stride_sb,
+                        stride_st, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """Grid (sequence, query tile, query head): BLOCK_M queries against BLOCK_N-key tiles.
 
     Unlike decode, a tile of queries reuses every key it loads BLOCK_M times, so this is compute
     work worth tl.dot (tensor cores). A key tile of BLOCK_N tokens may span several cache blocks
     (block_size 8 is below tl.dot's minimum of 16) or part of one, so each key looks up its own
     physical block: ``block_table[pos // block_size]``.
+
+    A narrower pool (rung 9) is read in q's type (int8 and fp8 values are exact in any of them)
+    and, SCALED, its scales fold into the scores and the weights, as in ``_attend_blocks``.
     """
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -213,7 +312,11 @@ def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, ct
         slot = block * stride_cb + (pos_k % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
         k = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)    # tl.dot takes one type; no-ops for a plain pool
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale    # [BLOCK_M, BLOCK_N]
+        if SCALED:
+            s_offs = block * stride_sb + (pos_k % BLOCK_SIZE) * stride_st + kv_head
+            s = s * tl.load(k_scale_ptr + s_offs, mask=k_ok, other=0.0)[None, :]
         # Key 0 is visible to every row (padding rows past q_len included, their pos_q >= 0), so
         # no row is ever fully masked and m stays finite after the first tile: no NaNs.
         s = tl.where((pos_k[None, :] <= pos_q[:, None]) & k_ok[None, :], s, float("-inf"))
@@ -221,6 +324,8 @@ def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, ct
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        if SCALED:
+            p = p * tl.load(v_scale_ptr + s_offs, mask=k_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / l[:, None]
@@ -228,116 +333,3 @@ def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, ct
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-# ----------------------------------------------------------------------------------------------
-# Python wrappers: check shapes, pick launch parameters, launch.
-# ----------------------------------------------------------------------------------------------
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """The kernels take strides for every dimension but the last, which must be 1."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
-    # One set of strides serves both pools; a copy of a cache would be useless (writes are lost).
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(-1) == 1, "the KV pools must be contiguous in head_dim"
-    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write ``k, v`` [T, num_kv_heads, head_dim] into the pools at ``slot_mapping`` [T]."""
-    T, num_kv_heads, head_dim = k.shape
-    if T == 0:
-        return
-    k, v = _rows_contiguous(k), _rows_contiguous(v)
-    slots = slot_mapping.to(torch.int64).contiguous()
-    store_kv_kernel[(T, num_kv_heads)](
-        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *_cache_strides(k_cache, v_cache), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim)
-
-
-def choose_num_splits(num_programs: int, max_tokens: int, device: torch.device) -> int:
-    """How many context slices per sequence for decode: enough programs to fill the GPU."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 4)
-    if num_programs >= sms:           # the batch alone fills the GPU: splitting only adds work
-        return 1
-    # Aim for ~2 programs per SM, but keep every slice long enough to be worth its partial write.
-    return max(1, min(triton.cdiv(2 * sms, num_programs), max_tokens // MIN_SPLIT_TOKENS))
-
-
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                 num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]: sequence b attends to its first ``context_lens[b]`` cached tokens.
-
-    ``num_splits`` None chooses automatically; 1 forces the single-pass kernel, more forces
-    flash-decoding. The split size comes from the block table's width (an upper bound on every
-    context length), which avoids reading ``context_lens`` back to the CPU.
-    """
-    B, H, D = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = H // num_kv_heads
-    q = _rows_contiguous(q)
-    out = torch.empty_like(q) if out is None else out
-    if B == 0:
-        return out
-    tables = block_tables.to(torch.int32).contiguous()
-    ctx = context_lens.to(torch.int32).contiguous()
-    max_blocks = tables.shape[1]
-    if num_splits is None:
-        num_splits = choose_num_splits(B * num_kv_heads, max_blocks * block_size, q.device)
-    blocks_per_split = triton.cdiv(max_blocks, max(1, min(num_splits, max_blocks)))
-    num_splits = triton.cdiv(max_blocks, blocks_per_split)    # no slice starts past the table
-    split = num_splits > 1
-    if split:
-        part_m = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
-    else:                             # unused by the single-pass kernel; any tensor will do
-        part_m = part_l = part_acc = out
-    paged_decode_kernel[(B, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, ctx, out, part_m, part_l, part_acc, scale * LOG2E,
-        blocks_per_split, q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
-        *_cache_strides(k_cache, v_cache), GROUP=group, GROUP_P=triton.next_power_of_2(group),
-        BLOCK_SIZE=block_size, HEAD_DIM=D, SPLIT=split)
-    if split:
-        reduce_splits_kernel[(B, H)](
-            part_m, part_l, part_acc, ctx, out, H, num_splits, blocks_per_split * block_size,
-            out.stride(0), out.stride(1), NUM_SPLITS_P=triton.next_power_of_2(num_splits),
-            HEAD_DIM=D)
-    return out
-
-
-def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, max_q_len: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D] (every sequence's new tokens, flat) -> [T, H, D], causal over the cache.
-
-    ``max_q_len`` sizes the grid; pass it when known to skip a device-to-host read.
-    """
-    T, H, D = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    q = _rows_contiguous(q)
-    out = torch.empty_like(q) if out is None else out
-    num_seqs = cu_seqlens_q.numel() - 1
-    if T == 0 or num_seqs == 0:
-        return out
-    cu = cu_seqlens_q.to(torch.int32).contiguous()
-    if max_q_len is None:
-        max_q_len = int((cu[1:] - cu[:-1]).max())
-    on_gpu = q.device.type == "cuda"
-    # tl.dot needs tiles of >= 16. Bigger tiles reuse more on a GPU; the interpreter prefers small.
-    block_m = 64 if on_gpu and max_q_len > 16 else 16
-    block_n = 64 if on_gpu else 16
-    tables = block_tables.to(torch.int32).contiguous()
-    grid = (num_seqs, triton.cdiv(max_q_len, block_m), H)
-    paged_extend_kernel[grid](
-        q, k_cache, v_cache, tables, cu, context_lens.to(torch.int32).contiguous(), out,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
-        *_cache_strides(k_cache, v_cache), GROUP=H // num_kv_heads, BLOCK_SIZE=block_size,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        # fp32 inputs: by default tl.dot would use TF32 (10-bit mantissa) on NVIDIA GPUs
-        PRECISION="ieee" if q.dtype == torch.float32 else None)
-    return out
