@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies profile figures html kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies bench-kv profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -66,6 +66,12 @@ bench-vllm: setup
 # The scheduling policies under a mixed live load (interactive and batch classes), ~3 min.
 bench-policies: setup
 	$(BIN)/python -m minillm bench --serve minillm:fcfs,minillm:priority,minillm:score --mix --rate 2 --requests 60 --max-batch 4 --json figures/policies_mixed.json
+
+# Rung 9: the accuracy price of each kv_cache_dtype, then make bench's kv_dtype experiment alone
+# (one KV budget, each format: requests at once, tok/s). ~4 min.
+bench-kv: setup
+	$(BIN)/python -m minillm.kv_accuracy --json figures/kv_accuracy.json
+	$(BIN)/python -m minillm bench --quick --engines paged --experiments kv_dtype --json figures/bench_kv.json --no-figure
 
 bench-full: setup
 	$(BIN)/python -m minillm bench

@@ -3,10 +3,10 @@
     python -m minillm bench --quick                       # what `make bench` runs
     python -m minillm bench --engines static,paged --requests 200 --rate 4
 
-Besides the main table it runs the step-3 experiments (``--experiments``): prefix caching with a
-shared system prompt, n = 4 parallel sampling vs four independent requests, and how many requests
-fit one KV budget paged vs. reserving a maximum length per request. Results go to JSON and to
-figures under ``figures/``.
+Besides the main table it runs the experiments (``--experiments``): prefix caching with a shared
+system prompt, n = 4 parallel sampling vs four independent requests, how many requests fit one KV
+budget paged vs. reserving a maximum length per request, speculative decoding (rung 6) and one KV
+budget under each ``kv_cache_dtype`` (rung 9, bench_kv.py). Results: JSON and ``figures/``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from . import peers, vllm_peer
+from .bench_kv import budget_bytes, exp_kv_dtype
 from .engines import ENGINES, REGISTRY, options_for, options_from
 from .metrics import RunMetrics
 
@@ -29,7 +30,7 @@ PEERS = {"hf-static": peers.hf_static, "hf-generate-batch": peers.hf_generate_ba
 WARMS_UP_ITSELF = {"vllm-cpu"}
 ALL_ENGINES = ENGINES + tuple(PEERS)
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
-EXPERIMENTS = ("prefix", "parallel", "capacity", "speculative")
+EXPERIMENTS = ("prefix", "parallel", "capacity", "speculative", "kv_dtype")
 SPEC_ENGINES = ("paged", "paged+ngram", "paged+draft")
 
 
@@ -142,13 +143,8 @@ def kv_budget_options(model, items, options: dict) -> dict:
     (prompt + max_tokens). Give the paged engine exactly those bytes and no row cap: it fits as
     many requests as the tokens really need. This is the paper's argument — memory, not compute,
     limits the batch — made into one row of the table."""
-    from .llm import LLM
-
-    encoder = LLM(model, engine="naive")
-    longest = max(len(encoder.encode(it.prompt)) + it.params.max_tokens for it in items)
     rows = options.get("max_num_seqs", 64)
-    return {**options, "kv_cache_bytes": rows * longest * model.kv_bytes_per_token,
-            "max_num_seqs": 4 * rows}
+    return {**options, "kv_cache_bytes": budget_bytes(model, items, rows), "max_num_seqs": 4 * rows}
 
 
 def run_table(model, engines: list[str], items, naive_items, options: dict) -> list[dict]:
@@ -332,9 +328,10 @@ def main(args: argparse.Namespace) -> int:
                "table": rows, "experiments": {}}
     exps = [e for e in args.experiments.split(",") if e in EXPERIMENTS]
     runners = {"prefix": exp_prefix, "parallel": exp_parallel, "capacity": exp_capacity,
-               "speculative": exp_speculative}
-    sizes = {"prefix": 16, "parallel": 8, "capacity": 32, "speculative": 64} if args.quick else \
-        {"prefix": 32, "parallel": 16, "capacity": 64, "speculative": 128}
+               "speculative": exp_speculative, "kv_dtype": exp_kv_dtype}
+    sizes = {"prefix": 16, "parallel": 8, "capacity": 32, "speculative": 64, "kv_dtype": 128} \
+        if args.quick else {"prefix": 32, "parallel": 16, "capacity": 64, "speculative": 128,
+                            "kv_dtype": 256}
     for name in exps:
         print(f"\nexperiment {name} ...", flush=True)
         results["experiments"][name] = r = runners[name](model, sizes[name], args.seed, options)

@@ -31,9 +31,10 @@ BLOCK_SIZE = 16
 
 
 @torch.inference_mode()
-def passage_logprobs(model, ids: list[int], kv_cache_dtype: str, backend=None) -> torch.Tensor:
-    """Log-probabilities [len(ids), vocab] of the next token at every position of ``ids``, its
-    KV stored as ``kv_cache_dtype`` says."""
+def prefill(model, ids: list[int], kv_cache_dtype: str = "auto", backend=None
+            ) -> tuple[ModelRunner, torch.Tensor]:
+    """``ids`` through a fresh model runner as one prefill chunk, token i's K/V in slot i (blocks
+    0, 1, ... in order). Returns the runner (its pool holds the K/V) and the final hidden states."""
     n = len(ids)
     nblocks = -(-n // BLOCK_SIZE)
     backend = backend or get_attention_backend(None, model.device)
@@ -49,7 +50,15 @@ def passage_logprobs(model, ids: list[int], kv_cache_dtype: str, backend=None) -
         prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
         prefill_q_lens=[n], prefill_ctx_lens=[n])
     hidden = runner.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta)
-    return runner.net.logits(runner.net.final_hidden(hidden)).log_softmax(-1)
+    return runner, runner.net.final_hidden(hidden)
+
+
+@torch.inference_mode()
+def passage_logprobs(model, ids: list[int], kv_cache_dtype: str, backend=None) -> torch.Tensor:
+    """Log-probabilities [len(ids), vocab] of the next token at every position of ``ids``, its
+    KV stored as ``kv_cache_dtype`` says."""
+    runner, hidden = prefill(model, ids, kv_cache_dtype, backend)
+    return runner.net.logits(hidden).log_softmax(-1)
 
 
 def kl_and_perplexity(ref: torch.Tensor, got: torch.Tensor, ids: list[int]) -> tuple[float, float]:

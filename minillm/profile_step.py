@@ -29,7 +29,7 @@ COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engin
 
 
 def steady_engine(model, rows: int, context: int, backend: str | None = None,
-                  linear: str | None = None):
+                  linear: str | None = None, kv_cache_dtype: str = "auto"):
     """A paged engine with ``rows`` sequences, each ``context`` tokens long and decoding."""
     from .llm import LLM
     from .request import Request, SamplingParams
@@ -37,7 +37,7 @@ def steady_engine(model, rows: int, context: int, backend: str | None = None,
     blocks = rows * (-(-(context + 64) // 16)) + 8
     llm = LLM(model, engine="paged", block_size=16, num_blocks=blocks, max_num_seqs=rows,
               max_num_batched_tokens=max(2048, context), attention_backend=backend,
-              linear_backend=linear)
+              linear_backend=linear, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     prompt = list(range(100, 100 + context))       # distinct prompts: no prefix-cache sharing
     for i in range(rows):
@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linear", default=None,
                    help="the engine's linear kernel(s), comma-separated: torch, onednn (default: "
                         "the engine's default); the floor always uses the fastest kernel here")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="how the KV pool stores K/V, comma-separated: auto, float16, bfloat16, "
+                        "int8, fp8 (rung 9); several alternate row by row in one run")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one per core)")
@@ -151,20 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     floor_net = PagedLlama(model.hf_model, fastest)
     print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s); "
           f"fp32 matmul peak {peak:.0f} GFLOP/s ({fastest.name}, 2048^3)\n")
-    head = f"{'rows':>5} {'attention':>9} {'linear':>6} {'ms/step':>8} {'tok/s':>7} " \
+    head = f"{'rows':>5} {'attention':>9} {'linear':>6} {'kv':>8} {'ms/step':>8} {'tok/s':>7} " \
         f"{'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
         "  ".join(f"{c:>13}" for c in COMPONENTS)
     print(head)
     for rows in (int(r) for r in args.rows.split(",")):
         for backend in backends:
-            for linear in linears:
-                llm = steady_engine(model, rows, args.context, backend, linear)
+            for linear, kv in ((a, b) for a in linears for b in args.kv_cache_dtype.split(",")):
+                llm = steady_engine(model, rows, args.context, backend, linear, kv)
                 ms = statistics.median(time_steps(llm.engine, args.steps))
                 parts = breakdown(llm.engine, max(2, args.steps // 2))
                 floor, gflops = linear_floor_ms(floor_net, rows)
                 shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%"
                                    for c in COMPONENTS)
-                print(f"{rows:>5} {llm.engine.backend.name:>9} {linear:>6} {ms:>8.1f} "
+                print(f"{rows:>5} {llm.engine.backend.name:>9} {linear:>6} {kv:>8} {ms:>8.1f} "
                       f"{rows * 1000 / ms:>7.0f} {floor:>7.1f}ms {ms / floor:>6.2f} "
                       f"{gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}", flush=True)
                 del llm

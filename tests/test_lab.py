@@ -27,6 +27,7 @@ WRONG = {
     "04": ("attn_mask=bias, scale=scale)", "attn_mask=None, scale=scale)"),  # past context_lens
     "08": ("return victim.request.priority - candidate.request.priority > self.threshold",
            "return victim.request.priority - candidate.request.priority >= self.threshold"),
+    "09": ("y = y.round_().clamp_(-fmt.qmax, fmt.qmax)", "y = y.clamp_(-fmt.qmax, fmt.qmax)"),
     "06": ("        out.append(target)\n        if guess != target:",
            "        out.append(guess)\n        if guess != target:"),    # the wrong guess kept
 }
@@ -53,6 +54,10 @@ MORE_WRONG = {
         ("        self._readopt_prompt(group)\n        for seq in group.seqs:\n            num_new",
          "        for seq in group.seqs:\n            num_new")],
     "04": [("v.transpose(1, 2), attn_mask=bias, scale=scale)", "v.transpose(1, 2), attn_mask=bias)")],
+    "09": [("            self.scale.index_copy_(0, index, scale)",      # a row's scale not written
+            "            pass"),
+           ("scale = self.scale.index_select(0, index) if",           # read at another slot
+            "scale = self.scale.index_select(0, index.flip(0)) if")],
 }
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone

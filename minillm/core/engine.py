@@ -85,7 +85,10 @@ class PagedEngine(Engine):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """One token's K and V over all layers as this pool stores them (``kv_cache_dtype``)."""
+        """One token's K and V over all layers as this pool stores them (``kv_cache_dtype``;
+        ``auto`` is the model's own unit, also for the visualizer's replays, which run no model)."""
+        if self.kv_format.name == "auto":
+            return self.model.kv_bytes_per_token
         return self.kv_format.bytes_per_token(*self.model.kv_geometry, self.model.dtype)
 
     def linear_kernel(self):

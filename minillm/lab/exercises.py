@@ -88,6 +88,15 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "wait_weight * arrival_step (lower first, ties by arrival_index), remaining being "
              "max_tokens minus what the furthest sample generated; evict only if the victim's "
              "score exceeds the candidate's by more than the margin."),
+    Exercise("09", "A quantized KV cache: quantize on write, widen on read",
+             "minillm.core.kv_quant",
+             ("quantize", "dequantize", "QuantizedPool.index_copy_",
+              "QuantizedPool.index_select", "QuantizedPool.__getitem__"), "09_quantized_kv", 30,
+             "One fp32 scale per row (token and KV head): max|x| / fmt.qmax, 1 for an all-zero "
+             "row; int8 codes are round(x / scale) clamped to ±qmax, fp8 is (x / scale) cast to "
+             "fmt.storage; a format without qmax is a plain cast with no scale. The pool writes "
+             "quantized rows and their scales at the same slots (float8 has no index_copy_ on "
+             "the CPU: copy it as uint8) and reads widen only the rows asked for."),
 ]}
 
 

@@ -14,14 +14,30 @@ from typing import Callable
 
 
 @lru_cache(maxsize=1)
-def smollm2_kv_bytes_per_token() -> int:
-    """K and V of one token across every layer of SmolLM2-135M in fp32, from its config."""
+def smollm2_kv_geometry() -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of SmolLM2-135M, from its config."""
     from transformers import AutoConfig
 
     from ..models import ensure_smollm2_cache
     c = AutoConfig.from_pretrained(ensure_smollm2_cache())
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+    return c.num_hidden_layers, c.num_key_value_heads, head_dim
+
+
+def smollm2_kv_bytes_per_token(kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token across every layer of SmolLM2-135M (fp32, or as ``kv_cache_dtype``
+    stores it: the engine's own ``KVCacheFormat``)."""
+    import torch
+
+    from ..core.kv_quant import get_format
+    return get_format(kv_cache_dtype).bytes_per_token(*smollm2_kv_geometry(), torch.float32)
+
+
+def blocks_in_one_gib(kv_cache_dtype: str, block_size: int = 16) -> int:
+    """Blocks a 1 GiB pool holds, sized by the engine's own ``CacheConfig``."""
+    from ..core.config import CacheConfig
+    return CacheConfig(block_size=block_size, kv_cache_bytes=2**30).num_blocks_for(
+        smollm2_kv_bytes_per_token(kv_cache_dtype), 2048, 64)
 
 
 def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int = 3,
@@ -126,6 +142,10 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              score_overtake_horizon,
              "D = (priority_weight × (1 − 0) + remaining_weight × 128 + margin) / wait_weight, "
              "rounded down; the weights are Score's defaults in core/policy.py", rel_tol=0.0),
+    Question("09.q1", "blocks of 16 tokens in a 1 GiB KV pool on SmolLM2 with "
+             "kv_cache_dtype=\"int8\"", lambda: blocks_in_one_gib("int8"),
+             "one token: 30 layers × (K and V) × 3 KV heads × (64 one-byte codes + one 4-byte "
+             "fp32 scale); a block is 16 tokens; whole blocks only", rel_tol=0.0),
 ]}
 
 

@@ -48,11 +48,12 @@ def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[lis
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def assert_samples_and_beams_survive_pressure(functions: str) -> None:
+def assert_samples_and_beams_survive_pressure(functions: str, kv_cache_dtype: str = "auto") -> None:
     """n = 3 and n = 2 seeded sampling, beam search and a greedy request, in a pool tight enough to
     fork, copy on write, hit the prefix cache and preempt, must give exactly what a roomy pool
     gives (no pressure): the same engine, in float64 so that the batch's shape cannot flip a
-    token. ``functions``: what to look at when they differ (named in the message)."""
+    token. ``functions``: what to look at when they differ (named in the message);
+    ``kv_cache_dtype``: how both pools store K/V (rung 9: scales must move with their blocks)."""
     from .. import LLM, SamplingParams, load_model
 
     model = load_model("tiny-llama", dtype=torch.float64)
@@ -64,7 +65,8 @@ def assert_samples_and_beams_survive_pressure(functions: str) -> None:
               SamplingParams(max_tokens=9, n=2, temperature=0.7, seed=3, ignore_eos=True)]
 
     def run(**pool):
-        llm = LLM(model, engine="paged", block_size=4, attention_backend="torch", **pool)
+        llm = LLM(model, engine="paged", block_size=4, attention_backend="torch",
+                  kv_cache_dtype=kv_cache_dtype, **pool)
         reqs = llm.make_requests(prompts, params)
         outs = llm.run(reqs).outputs
         assert all(o.error is None for o in outs), [o.error for o in outs]

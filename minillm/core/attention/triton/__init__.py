@@ -32,8 +32,9 @@ import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .. import choose_triton_mode
+
+choose_triton_mode()
 
 
 def triton_available() -> bool:
