@@ -11,6 +11,7 @@ budget under each ``kv_cache_dtype`` (rung 9, bench_kv.py). Results: JSON and ``
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -66,7 +67,11 @@ def run_engine(model, name: str, items, options: dict, progress: bool = True):
         encoder = LLM(model, engine="naive")       # only used to turn prompts into token ids
         return PEERS[name](model, to_requests(encoder, items), options, progress)
     llm = LLM(model, engine=name, **options_for(name, options))
-    return llm.run(to_requests(llm, items), progress=progress)
+    try:
+        return llm.run(to_requests(llm, items), progress=progress)
+    finally:
+        del llm       # its KV pool and weights sit in a reference cycle: free them now, or a
+        gc.collect()  # benchmark of many runs holds them all (notebook 06 reached 18 GB)
 
 
 def single_stream(model, name: str, items, options: dict, k: int = 4) -> dict:
@@ -218,7 +223,6 @@ def exp_prefix(model, n: int, seed: int, options: dict) -> dict:
 def exp_parallel(model, n: int, seed: int, options: dict) -> dict:
     """n = 4 samples of one prompt share its blocks; four independent requests do not."""
     from dataclasses import replace
-
     from .workload import make_workload
 
     shared = make_workload(n, seed, n=4, short=(32, 64), long=(64, 96), p_long=0.3)
@@ -238,7 +242,6 @@ def exp_capacity(model, n: int, seed: int, options: dict, reserve_tokens: int = 
     """At one KV budget (``budget_requests`` max-length reservations), how many requests run at
     once when memory is paged?"""
     from .workload import make_workload
-
     budget = budget_requests * reserve_tokens * model.kv_bytes_per_token
     items = make_workload(n, seed)
     res = run_engine(model, "paged", items, {**options, "kv_cache_bytes": budget, "max_num_seqs": n})
