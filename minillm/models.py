@@ -59,9 +59,7 @@ class LoadedModel:
     @property
     def kv_geometry(self) -> tuple[int, int, int]:
         """(layers, KV heads, head_dim): the shape of one token's K (or V) over the model."""
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return c.num_hidden_layers, c.num_key_value_heads, head_dim
+        return kv_geometry(self.config)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -69,6 +67,13 @@ class LoadedModel:
         every memory plot (a paged engine with a narrower ``kv_cache_dtype`` has its own)."""
         layers, kv_heads, head_dim = self.kv_geometry
         return 2 * layers * kv_heads * head_dim * (torch.finfo(self.dtype).bits // 8)
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) from a Hugging Face config (head_dim where it says, else
+    hidden size / heads)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
 
 
 def cache_dir() -> Path:

@@ -18,10 +18,8 @@ def smollm2_kv_geometry() -> tuple[int, int, int]:
     """(layers, KV heads, head_dim) of SmolLM2-135M, from its config."""
     from transformers import AutoConfig
 
-    from ..models import ensure_smollm2_cache
-    c = AutoConfig.from_pretrained(ensure_smollm2_cache())
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers, c.num_key_value_heads, head_dim
+    from ..models import ensure_smollm2_cache, kv_geometry
+    return kv_geometry(AutoConfig.from_pretrained(ensure_smollm2_cache()))
 
 
 def smollm2_kv_bytes_per_token(kv_cache_dtype: str = "auto") -> int:

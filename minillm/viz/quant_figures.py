@@ -23,11 +23,10 @@ def slot_bytes_figure(model) -> Figure:
     ax = fig.add_subplot()
     for i, name in enumerate(KV_CACHE_DTYPES):
         fmt = FORMATS[name]
-        elem = torch.empty((), dtype=fmt.storage_dtype(model.dtype)).element_size()
-        data, scale = rows * head_dim * elem, rows * 4 if fmt.scaled else 0
-        ax.barh(i, data, color=COLORS[name])
-        ax.barh(i, scale, left=data, color="#dd8452", hatch="//")
-        total = data + scale
+        total = fmt.bytes_per_token(layers, kv_heads, head_dim, model.dtype)
+        scale = rows * 4 if fmt.scaled else 0          # one fp32 scale per stored row
+        ax.barh(i, total - scale, color=COLORS[name])
+        ax.barh(i, scale, left=total - scale, color="#dd8452", hatch="//")
         ax.text(total, i, f"  {total:,} B/token: {model.kv_bytes_per_token / total:.2f}x the "
                           "tokens of fp32", va="center", fontsize=9)
     ax.set_yticks(range(len(KV_CACHE_DTYPES)), KV_CACHE_DTYPES)
