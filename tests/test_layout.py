@@ -35,7 +35,7 @@ def test_registry_rungs_match_their_modules_and_the_ladder():
     for spec in REGISTRY.values():
         assert spec.rung in rows, f"{spec.name}: rung {spec.rung} is not in the README's ladder"
         assert f"`{spec.name}`" in rows[spec.rung][1] or spec.name.startswith("paged"), spec.name
-        numbered = re.search(r"\.r(\d)_", spec.module)
+        numbered = re.search(r"\.r(\d+)_", spec.module)
         assert numbered is None or int(numbered.group(1)) == spec.rung, spec.module
 
 

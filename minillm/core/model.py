@@ -13,6 +13,7 @@ on weights reordered once, the CPU default) is chosen when the model is built (n
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,15 @@ class PagedLlama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that need a next token are projected: the vocab matmul is expensive."""
         return self.lm_head(hidden).float()
+
+    def with_layers(self, layers: list[LayerWeights], num_heads: int,
+                    num_kv_heads: int) -> "PagedLlama":
+        """The same model computing other layer weights with other head counts (embeddings,
+        norms, head and RoPE tables shared, not copied): a tensor-parallel rank's share of it
+        (rung 10, ``minillm/engines/r10_tensor/shard.py``; notebook 10)."""
+        net = copy.copy(self)
+        net.layers, net.num_heads, net.num_kv_heads = layers, num_heads, num_kv_heads
+        return net
 
     @property
     def vocab_size(self) -> int:

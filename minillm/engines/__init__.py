@@ -3,7 +3,8 @@
 ``REGISTRY`` is the one list of engines: name -> class, the options it takes (the fields of the
 config dataclasses the class declares in ``configs``, ``minillm/core/config.py``: no list of
 options is kept by hand anywhere), where a name leads with some options (``upgrades``: ``paged``
-with ``speculative=`` is rung 6, with ``pipeline_parallel_size`` rung 7) and what it can do
+with ``speculative=`` is rung 6, with ``pipeline_parallel_size`` rung 7, with
+``tensor_parallel_size`` rung 10) and what it can do
 (abort, n > 1 and beam search: class attributes of the engine). The CLI, the benchmark, the
 server and ``LLM`` all go through it.
 """
@@ -70,11 +71,14 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("dynamic", 2, "minillm.engines.r2_dynamic", "DynamicBatchEngine", servable=True),
     EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine", servable=True, upgrades={
         "speculative": {"ngram": "paged+ngram", "draft": "paged+draft"},
-        "pipeline_parallel_size": "pipeline"}),
+        "tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline"}),
     EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"}),
     EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"}),
     EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine",
+               upgrades={"tensor_parallel_size": "tensor"},
                worker="minillm.engines.r7_pipeline.launcher:torchrun_worker"),
+    EngineSpec("tensor", 10, "minillm.engines.r10_tensor.engine", "TensorParallelEngine",
+               worker="minillm.engines.r10_tensor.engine:torchrun_worker"),
 )}
 ENGINES = tuple(REGISTRY)
 

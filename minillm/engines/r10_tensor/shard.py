@@ -10,12 +10,12 @@ step, and rank 0 alone samples.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ...core.linear import Linear
-from ...core.model import LayerWeights
+from ...core.model import LayerWeights, PagedLlama
 
 
 @dataclass(frozen=True)
@@ -82,3 +82,96 @@ def shard_layer(w: LayerWeights, split: HeadSplit, num_heads: int, num_kv_heads:
         post_norm=w.post_norm,
         gate_up=Linear(torch.cat([gate[units], up[units]]), None, kernel),
         down=Linear(w.down.weight[:, units].contiguous(), None, kernel))
+
+
+ALL_REDUCES = ("auto", "collective", "exchange")
+TAG_REDUCE = 2     # rung 7's messages use tags 0 and 1: slices never mix with them
+# Measured crossover on the lab CPU (traffic.measure_all_reduce, 2 and 3 ranks): the exchange was
+# faster at 288 KB, slower at 2.3 MB.
+EXCHANGE_MAX_BYTES = 1 << 20
+
+
+class AllReduce:
+    """Sum a tensor over the T ranks of one stage. Two ways (``all_reduce=``):
+
+    * ``collective``: the stage group's all-reduce (NCCL on GPUs; gloo on CPUs);
+    * ``exchange``: every rank sends its slice to the T - 1 others (rung 7's point-to-point
+      messages) and adds the T slices in rank order -- the same order on every rank, so every
+      rank gets the same bits.
+
+    On this CPU a gloo all-reduce of a decode step's tensor (tens of KB) took 4-8x longer than the
+    exchange; from a few MB on, the exchange's copies make it the slower one (``traffic.py``
+    measures both). CPU engines (vLLM's, DeepSpeed's) bring their own all-reduce for the same
+    reason. ``auto``: the exchange on CPU up to ``EXCHANGE_MAX_BYTES``, the collective otherwise
+    (always on CUDA, where NCCL is the fast one).
+
+    Each call is an ``all_reduce`` span on the rank's timeline (inside its ``compute`` span).
+    Rank 0 builds its runner before the group exists, so the group is ``connect``ed after."""
+
+    def __init__(self, how: str = "auto"):
+        if how not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {how!r}")
+        self.how, self.pg, self.comm, self.peers = how, None, None, range(0)
+
+    def connect(self, comm, peers: range, pg=None) -> None:
+        """``peers``: the global ranks of this rank's stage; ``pg``: its group (for the
+        collective; not needed when ``how`` is exchange)."""
+        self.comm, self.peers, self.pg = comm, peers, pg
+
+    def exchanges(self, y: torch.Tensor) -> bool:
+        if self.how == "auto":
+            return self.comm.device.type != "cuda" and \
+                y.numel() * y.element_size() <= EXCHANGE_MAX_BYTES
+        return self.how == "exchange"
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            raise RuntimeError("this rank's all-reduce group is not connected yet")
+        with self.comm.timeline.span("all_reduce"):
+            if self.exchanges(y):
+                return self._exchange(y)
+            self.comm.wait(self.pg.allreduce([y]), None)
+            return y
+
+    def _exchange(self, y: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        for peer in self.peers:
+            if peer != comm.rank:
+                comm.isend(y, peer, TAG_REDUCE)
+        total = None
+        for peer in self.peers:
+            part = y if peer == comm.rank else comm.recv(y.shape, y.dtype, peer, TAG_REDUCE,
+                                                         what=None)
+            total = part.clone() if total is None else total.add_(part)
+        return total
+
+
+class RowParallelLinear(Linear):
+    """A row-parallel projection (o, down): this rank's slice of the product, then the all-reduce
+    that sums the T slices. Rank 0's slice carries the residual, so the sum adds it once."""
+
+    def __init__(self, weight: torch.Tensor, kernel, all_reduce, adds_residual: bool):
+        super().__init__(weight, None, kernel)
+        self.all_reduce, self.adds_residual = all_reduce, adds_residual
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.kernel(x.contiguous(), self.packed, None,
+                        residual if self.adds_residual else None)
+        return self.all_reduce(y.contiguous())
+
+
+def shard_model(net: PagedLlama, split: HeadSplit, layers: range, kernel,
+                all_reduce: AllReduce) -> PagedLlama:
+    """This rank's model: the layers ``layers`` (its pipeline stage's) split for ``split``, with
+    the all-reduce after o and down; the core's ``forward_layers`` then runs it unchanged. The
+    other stages' layers stay whole and unread (``forward_layers`` runs ``layers`` only)."""
+    H, KVH, D = net.num_heads, net.num_kv_heads, net.head_dim
+    mine = []
+    for i, w in enumerate(net.layers):
+        if i in layers:
+            part = shard_layer(w, split, H, KVH, D, kernel)
+            w = replace(part, o=RowParallelLinear(part.o.weight, kernel, all_reduce, split.rank == 0),
+                        down=RowParallelLinear(part.down.weight, kernel, all_reduce,
+                                               split.rank == 0))
+        mine.append(w)
+    return net.with_layers(mine, len(split.q_heads), len(split.kv_heads))

@@ -73,6 +73,7 @@ class Comm:
     timeout_s: float = 60.0
     timeline: Timeline = field(default_factory=lambda: Timeline(0))
     pending: list = field(default_factory=list)   # (work, tensors kept alive until sent)
+    store: object = None          # the group's key-value store (rung 10 forms subgroups on it)
 
     # --- tensors ------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = TAG_DATA) -> None:
@@ -147,14 +148,18 @@ def new_group(rank: int, world_size: int, host: str, port: int, device: torch.de
     timeout = timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S))
     if store is None:
         store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    store = dist.PrefixStore("minillm-pipeline", store)   # keys apart from torchrun's own
+    pg = process_group(dist.PrefixStore("minillm-pipeline", store), rank, world_size, device,
+                       timeout)   # its keys apart from torchrun's own
+    return Comm(pg, rank, world_size, device, timeout_s, Timeline(rank), store=store)
+
+
+def process_group(store, rank: int, size: int, device: torch.device, timeout: timedelta):
+    """A process group of ``size`` ranks meeting on ``store``: NCCL on CUDA, gloo on CPU."""
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    else:
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return Comm(pg, rank, world_size, device, timeout_s, Timeline(rank))
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def group_from_env(device: torch.device, timeout_s: float) -> Comm:

@@ -38,7 +38,7 @@ from ...core.sequence import Sequence, SequenceGroup
 from .comm import PipelineError, deferred_interrupt
 from .config import ParallelConfig
 from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
-from .stage import StageConfig, StageRunner
+from .stage import StageConfig, StageRunner, split_layers
 from .timeline import Event, format_summary
 
 
@@ -53,6 +53,7 @@ class MicroBatch:
     reached: list[Sequence]       # the sequences whose logits come back, in row order
     split: StepOutput             # the prefill/decode shares (of 1 ms) and token counts
     t_launch: float
+    logits: torch.Tensor | None = None   # computed by rank 0 itself (rung 10 with one stage)
 
 
 class PipelineEngine(PagedEngine):
@@ -75,26 +76,48 @@ class PipelineEngine(PagedEngine):
         # before any process is started.
         super().__init__(model, **options)
         parallel = self.parallel_config
-        world, timeout = parallel.pipeline_parallel_size, parallel.pipeline_timeout_s
+        world, timeout = self.world_size, parallel.pipeline_timeout_s
         if torchrun:
             group = torchrun_group(timeout, model.device)
-        self.group = group or launch(self.runner.net, world, timeout, parallel.worker_threads)
+        self.group = group or self.launch_workers(world, timeout, parallel.worker_threads)
         self.comm = self.group.comm
         self._finalizer = weakref.finalize(self, self.group.close)   # workers never outlive us
         if self.comm.world_size != world:
             self.close()
-            raise ValueError(f"pipeline_parallel_size={world} but the process group has "
+            raise ValueError(f"{self.world_size_name} but the process group has "
                              f"{self.comm.world_size} ranks")
         try:
-            for rank in range(1, world):
-                self.comm.send_object(self.stage_config, rank)
+            self.connect()
         except PipelineError as e:
             raise self.group.failure(e) from None
         # rank 0's alone, so it may change between runs (``measure.py`` does)
-        self.num_microbatches = parallel.num_microbatches or world
+        self.num_microbatches = parallel.num_microbatches or self.runner.num_stages
         self.in_flight: deque[MicroBatch] = deque()
         self.num_launched = 0
         self.broken: PipelineError | None = None
+
+    # --- the ranks: one per stage (rung 10 overrides these four for stages of T ranks) -------------
+    @property
+    def world_size(self) -> int:
+        return self.parallel_config.pipeline_parallel_size
+
+    @property
+    def world_size_name(self) -> str:
+        return f"pipeline_parallel_size={self.world_size}"
+
+    def launch_workers(self, world: int, timeout_s: float, threads: int) -> WorkerGroup:
+        return launch(self.runner.net, world, timeout_s, threads)
+
+    def connect(self) -> None:
+        """Once the group has formed: tell every worker its stage's layout."""
+        for rank in range(1, self.world_size):
+            self.comm.send_object(self.stage_config, rank)
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        """Bytes of KV cache each rank holds per token: its stage's layers' share."""
+        layers = len(self.runner.net.layers)
+        per_layer = self.kv_bytes_per_token // layers
+        return [per_layer * (end - start) for start, end in split_layers(layers, self.world_size)]
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> StageRunner:
         """Rank 0's stage (the first slice of the layers and their KV pool). The workers build
@@ -152,25 +175,34 @@ class PipelineEngine(PagedEngine):
             self.scheduler.commit_computed(sched)
             groups = {self.groups[s.request.request_id] for s, _ in sched.scheduled}
         t = time.perf_counter()
-        with timeline.span("compute", index):
-            hidden = self.runner.compute(inputs, ids)
         # Every rank must see all of a micro-batch or none of it, and rank 0 must know it is in
-        # flight: Ctrl-C waits until all that is done.
-        with deferred_interrupt(), timeline.span("send", index):
-            for rank in range(1, self.comm.world_size):
-                self.comm.send_object(inputs, rank)
-            self.comm.isend(hidden, 1)
-            self.in_flight.append(MicroBatch(index, groups, reached, split, t))
+        # flight: Ctrl-C waits until all that is done. The metadata goes out first (the sends
+        # finish in the background) so that no rank waits for it longer than for its input.
+        with deferred_interrupt():
+            with timeline.span("send", index):
+                for rank in range(1, self.comm.world_size):
+                    self.comm.send_object(inputs, rank)
+                self.runner.send_input(self.comm, ids, index)
+            with timeline.span("compute", index):
+                out = self.runner.compute(inputs, ids)
+            mb = MicroBatch(index, groups, reached, split, t)
+            if self.runner.computes_logits:     # a single stage: rank 0 holds the logits
+                mb.logits = out
+            else:
+                self.runner.send_output(self.comm, out)
+            self.in_flight.append(mb)
         self.comm.prune()
         self.num_launched += 1
         return True
 
     def _receive(self, mb: MicroBatch) -> torch.Tensor:
         vocab = self.runner.net.vocab_size
+        if mb.logits is not None:
+            return mb.logits
         if not mb.reached:
             return torch.empty((0, vocab))
-        return self.comm.recv((len(mb.reached), vocab), torch.float32,
-                              self.comm.world_size - 1, microbatch=mb.index)
+        return self.comm.recv((len(mb.reached), vocab), torch.float32, self.runner.logits_rank,
+                              microbatch=mb.index)
 
     def _finish_microbatch(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
         """The logits of ``mb`` came back: sample and commit them with rung 3's ``complete``."""

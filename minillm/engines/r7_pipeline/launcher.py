@@ -95,8 +95,10 @@ def signal_name(exitcode: int) -> str:
         return ""
 
 
-def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: int) -> WorkerGroup:
-    """Spawn ranks 1..world_size-1 on this machine (CPU, gloo) and join the group as rank 0."""
+def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: int,
+           run=None) -> WorkerGroup:
+    """Spawn ranks 1..world_size-1 on this machine (CPU, gloo) and join the group as rank 0.
+    Each worker then runs ``run(comm, net)`` (``run_worker`` by default; rung 10 has its own)."""
     start_s = max(timeout_s, CONNECT_TIMEOUT_S)   # importing torch in a worker can be slow
     store = dist.TCPStore(HOST, 0, world_size, True, timeout=timedelta(seconds=start_s),
                           wait_for_workers=False)
@@ -106,7 +108,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
     for rank in range(1, world_size):
         procs[rank] = ctx.Process(target=worker_main, name=f"minillm-pipeline-rank{rank}",
                                   args=(rank, world_size, store.port, net, timeout_s,
-                                        worker_threads, ready), daemon=True)
+                                        worker_threads, ready, run or run_worker), daemon=True)
         procs[rank].start()
     group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs, store)
     # Wait for every worker to have started (imports done) before forming the group: a worker
@@ -129,7 +131,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
 
 
 def worker_main(rank: int, world_size: int, port: int, net: PagedLlama, timeout_s: float,
-                threads: int, ready) -> None:
+                threads: int, ready, run) -> None:
     """A spawned worker: join the group, then serve until "stop" (exit 0) or a failure (exit 1)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle, not ours
     exit_with_parent()
@@ -137,7 +139,7 @@ def worker_main(rank: int, world_size: int, port: int, net: PagedLlama, timeout_
     ready.put(rank)
     try:
         comm = new_group(rank, world_size, HOST, port, torch.device("cpu"), timeout_s)
-        run_worker(comm, net)
+        run(comm, net)
     except PipelineError as e:
         print(f"[minillm pipeline] {e}", file=sys.stderr)
         sys.exit(1)

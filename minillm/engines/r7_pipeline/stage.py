@@ -98,12 +98,27 @@ class StageRunner(ModelRunner):
     rank's."""
 
     def __init__(self, net: PagedLlama, rank: int, config: StageConfig, backend, device, dtype):
-        start, end = split_layers(len(net.layers), config.world_size)[rank]
+        self.rank, self.world_size = rank, config.world_size
+        start, end = split_layers(len(net.layers), self.num_stages)[self.stage]
         super().__init__(None, config.num_blocks, config.block_size, backend, net=net,
                          layers=range(start, end), device=device, dtype=dtype,
                          kv_format=get_format(config.kv_cache_dtype))
-        self.rank, self.world_size = rank, config.world_size
         self.hidden_size = net.embed.shape[1]
+
+    # --- where this rank sits: one rank per stage here; rung 10 (r10_tensor) makes a stage of
+    # T ranks by overriding these and the two messages below.
+    @property
+    def stage(self) -> int:
+        return self.rank
+
+    @property
+    def num_stages(self) -> int:
+        return self.world_size
+
+    @property
+    def logits_rank(self) -> int:
+        """The rank that computes the logits and sends them to rank 0."""
+        return self.world_size - 1
 
     @property
     def start(self) -> int:
@@ -119,7 +134,23 @@ class StageRunner(ModelRunner):
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.world_size - 1
+        return self.stage == self.num_stages - 1
+
+    def receive_input(self, comm: Comm, inputs: "StepInputs") -> torch.Tensor:
+        """A worker's input for a micro-batch: the previous stage's hidden states."""
+        return comm.recv((inputs.num_tokens, self.hidden_size), self.dtype, comm.rank - 1,
+                         microbatch=inputs.microbatch)
+
+    def send_input(self, comm: Comm, ids: torch.Tensor, microbatch: int) -> None:
+        """What rank 0 sends of a micro-batch's token ids before computing it: nothing here (it
+        alone embeds them)."""
+
+    def send_output(self, comm: Comm, out: torch.Tensor) -> None:
+        """Hidden states on to the next stage; the last stage's logits back to rank 0."""
+        if not self.is_last:
+            comm.isend(out, comm.rank + 1)
+        elif out.shape[0] and comm.rank != 0:
+            comm.isend(out, 0)
 
     def prepare_step(self, scheduled: list[tuple[Sequence, int]], copies: list[tuple[int, int]],
                      microbatch: int) -> tuple[torch.Tensor, StepInputs, list[Sequence]]:
@@ -129,13 +160,17 @@ class StageRunner(ModelRunner):
         inputs = StepInputs(microbatch, len(ids), pos, meta, list(copies), [last[k] for k in want])
         return ids, inputs, [order[k][0] for k in want]
 
+    @property
+    def computes_logits(self) -> bool:
+        return self.rank == self.logits_rank
+
     @torch.inference_mode()
     def compute(self, inputs: StepInputs, x: torch.Tensor) -> torch.Tensor:
         """Token ids (rank 0) or hidden states in -> hidden states out, or, on the last rank,
         the logits of ``inputs.logit_rows``."""
         self.copy_blocks(inputs.copies)
         h = self.forward(x, inputs.positions, inputs.meta)   # rank 0 (layers from 0) embeds
-        if not self.is_last:
+        if not self.computes_logits:
             return h
         if not inputs.logit_rows:
             return h.new_empty((0, self.net.vocab_size), dtype=torch.float32)
@@ -165,14 +200,10 @@ def serve(comm: Comm, runner: StageRunner) -> None:
         inputs: StepInputs = msg.to(comm.device)
         mb = inputs.microbatch
         timeline.events.append(Event(comm.rank, "recv", t, time.time(), mb))
-        x = comm.recv((inputs.num_tokens, runner.hidden_size), runner.dtype, comm.rank - 1,
-                      microbatch=mb)
+        x = runner.receive_input(comm, inputs)
         with timeline.span("compute", mb):
             out = runner.compute(inputs, x)
-        if not runner.is_last:
-            comm.isend(out, comm.rank + 1)
-        elif out.shape[0]:
-            comm.isend(out, 0)
+        runner.send_output(comm, out)
         comm.prune()
         steps += 1
         if steps == exit_after:
