@@ -28,6 +28,7 @@ WRONG = {
     "08": ("return victim.request.priority - candidate.request.priority > self.threshold",
            "return victim.request.priority - candidate.request.priority >= self.threshold"),
     "09": ("y = y.round_().clamp_(-fmt.qmax, fmt.qmax)", "y = y.clamp_(-fmt.qmax, fmt.qmax)"),
+    "10": ("residual if self.adds_residual else None)", "residual)"),   # residual on every rank
     "06": ("        out.append(target)\n        if guess != target:",
            "        out.append(guess)\n        if guess != target:"),    # the wrong guess kept
 }
@@ -58,6 +59,10 @@ MORE_WRONG = {
             "            pass"),
            ("scale = self.scale.index_select(0, index) if",           # read at another slot
             "scale = self.scale.index_select(0, index.flip(0)) if")],
+    "10": [("gate_up=Linear(torch.cat([gate[units], up[units]]), None, kernel)",   # one block of
+            "gate_up=Linear(w.gate_up.weight[2 * units.start: 2 * units.stop], None, kernel)"),
+           ("kv = range(rank // replicas, rank // replicas + 1)",               # KV head r % KVH
+            "kv = range(rank % num_kv_heads, rank % num_kv_heads + 1)")],
 }
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone

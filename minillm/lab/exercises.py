@@ -97,6 +97,15 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "fmt.storage; a format without qmax is a plain cast with no scale. The pool writes "
              "quantized rows and their scales at the same slots (float8 has no index_copy_ on "
              "the CPU: copy it as uint8) and reads widen only the rows asked for."),
+    Exercise("10", "Tensor parallelism: the column/row split and where the all-reduce goes",
+             "minillm.engines.r10_tensor.shard",
+             ("head_split", "shard_layer", "RowParallelLinear.__call__"), "10_tensor_parallel", 35,
+             "Rank r computes query heads [r*H/T, (r+1)*H/T) and the KV heads they read (KVH/T of "
+             "them, or, when T is a multiple of KVH, KV head r // (T/KVH)); anything else is a "
+             "ValueError. qkv keeps its q rows, then its KV heads' k rows and v rows (and the same "
+             "bias rows); gate_up its intermediate units of gate and of up; o and down keep the "
+             "matching input columns. A row-parallel call multiplies its slice, adds the residual "
+             "on rank 0 only, then returns the all-reduce of that."),
 ]}
 
 

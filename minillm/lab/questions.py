@@ -38,6 +38,17 @@ def blocks_in_one_gib(kv_cache_dtype: str, block_size: int = 16) -> int:
         smollm2_kv_bytes_per_token(kv_cache_dtype), 2048, 64)
 
 
+def smollm2_all_reduce_bytes_per_token(tensor_parallel_size: int) -> float:
+    """Bytes one rank sends per token in a ring all-reduce of every layer's two sums (fp32):
+    ``traffic.tp_bytes_per_token`` on SmolLM2's own config."""
+    from transformers import AutoConfig
+
+    from ..engines.r10_tensor.traffic import tp_bytes_per_token
+    from ..models import ensure_smollm2_cache
+    c = AutoConfig.from_pretrained(ensure_smollm2_cache())
+    return tp_bytes_per_token(c.hidden_size, c.num_hidden_layers, tensor_parallel_size)
+
+
 def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int = 3,
                                  block_size: int = 16) -> tuple[int, int]:
     """Blocks held at the end by ``n`` independent requests vs one request with ``n`` samples,
@@ -144,6 +155,11 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "kv_cache_dtype=\"int8\"", lambda: blocks_in_one_gib("int8"),
              "one token: 30 layers × (K and V) × 3 KV heads × (64 one-byte codes + one 4-byte "
              "fp32 scale); a block is 16 tokens; whole blocks only", rel_tol=0.0),
+    Question("10.q1", "bytes one rank sends per token with tensor_parallel_size=3 on SmolLM2 "
+             "(fp32, ring all-reduces)", lambda: smollm2_all_reduce_bytes_per_token(3),
+             "two all-reduces per layer of a [tokens, hidden] tensor; a ring all-reduce sends "
+             "2 (T - 1) / T of the tensor out of every rank; hidden 576, 30 layers, 4 bytes",
+             rel_tol=1e-9),
 ]}
 
 

@@ -20,6 +20,7 @@ from ...metrics import RunMetrics
 from ...workload import make_workload, to_requests
 from ..r7_pipeline.timeline import Event
 from .timeline import all_reduce_share, format_summary
+from .traffic import measure_all_reduce
 
 
 @dataclass
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of every parallel rank")
     p.add_argument("--single-threads", type=int, default=os.cpu_count(),
                    help="torch threads of the single-process engine (1x1)")
+    p.add_argument("--links", default="2,3", help="also time the all-reduce alone among this "
+                   "many processes, both ways (comma-separated; empty: skip)")
     args = p.parse_args(argv)
     layouts = parse_layouts(args.layouts)
     model = load_model(args.model)
@@ -122,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         if runs[-1].events:
             print(f"== {layout.label}\n{format_summary(runs[-1].events)}")
     print(table(runs))
+    hidden = model.hf_model.config.hidden_size
+    sizes = [hidden, 16 * hidden, 128 * hidden, 1024 * hidden]
+    for world in [int(w) for w in args.links.split(",") if w.strip()]:
+        timing = measure_all_reduce(world, sizes)
+        print(f"all-reduce among {world} processes, microseconds (collective / exchange): " +
+              ", ".join(f"{n} numbers {timing['collective', n] * 1e6:.0f} / "
+                        f"{timing['exchange', n] * 1e6:.0f}" for n in sizes))
     return 0
 
 
