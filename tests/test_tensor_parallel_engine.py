@@ -214,3 +214,65 @@ def test_the_stage_groups_collective_all_reduce_gives_the_same_tokens(tiny):
                              **TIGHT)
     finally:
         engine.close()
+
+
+def test_quantized_kv_cache_splits_by_heads_too(tiny):
+    """Rung 9's int8 cache under rung 10: each rank quantizes its own heads' rows (a scale per
+    token and head), so the tokens are the single-process int8 engine's."""
+    engine = TensorParallelEngine(tiny, tensor_parallel_size=2, kv_cache_dtype="int8", **ROOMY)
+    try:
+        assert engine.kv_bytes_per_rank() == [engine.kv_bytes_per_token // 2] * 2
+        assert_same_as_paged(engine, tiny, random_prompts(6, seed=100), MIXED + MIXED[:2],
+                             kv_cache_dtype="int8", **ROOMY)
+    finally:
+        engine.close()
+
+
+def test_auto_all_reduce_exchanges_small_tensors_on_cpu_only():
+    from types import SimpleNamespace
+
+    from minillm.engines.r10_tensor.shard import EXCHANGE_MAX_BYTES, AllReduce
+    reduce = AllReduce("auto")
+    reduce.connect(SimpleNamespace(device=torch.device("cpu")), range(2))
+    small, big = torch.empty(EXCHANGE_MAX_BYTES // 4), torch.empty(EXCHANGE_MAX_BYTES // 4 + 1)
+    assert reduce.exchanges(small) and not reduce.exchanges(big)
+    reduce.connect(SimpleNamespace(device=torch.device("cuda")), range(2))
+    assert not reduce.exchanges(small)
+    assert AllReduce("exchange").exchanges(big) and not AllReduce("collective").exchanges(small)
+    with pytest.raises(RuntimeError, match="not connected"):
+        AllReduce()(small)
+
+
+def test_rank_view_draws_each_ranks_bytes_of_the_same_slots(tp2_roomy):
+    import matplotlib
+    matplotlib.use("Agg")
+    from minillm.viz.rank_view import RankMemoryView
+
+    per_rank = tp2_roomy.kv_bytes_per_rank()
+    view = RankMemoryView(per_rank, title="T=2")
+    tp2_roomy.run(requests(random_prompts(3, seed=101), SamplingParams(max_tokens=6), "view"),
+                  on_step=view)
+    busy = view.last_busy()
+    fig = view.figure(busy)
+    bars = fig.axes[1].patches
+    token_bars = bars[:len(per_rank)]          # the first kind drawn: token slots, one bar per rank
+    want = [view.counts[busy].token * b / 2**20 for b in per_rank]
+    assert [b.get_width() for b in token_bars] == pytest.approx(want) and want[0] > 0
+    with pytest.raises(ValueError, match="bytes_per_rank"):
+        RankMemoryView([])
+
+
+def test_per_layer_times_come_from_the_spans(tp2, tiny):
+    from minillm.engines.r10_tensor.timeline import per_layer, summarize
+    tp2.clear_timeline()
+    tp2.run(requests(random_prompts(3, seed=102), SamplingParams(max_tokens=4, ignore_eos=True),
+                     "pl"))
+    events = tp2.timeline()
+    for rank in (0, 1):
+        rows = per_layer(events, rank)
+        assert len(rows) == len(tiny.hf_model.model.layers)
+        assert all(v >= 0 for r in rows for v in r.values())
+        steps = sum(1 for e in events if e.rank == rank and e.kind == "compute")
+        reduces = sum(r["all_reduce_attention"] + r["all_reduce_mlp"] for r in rows) * steps
+        whole = summarize(events)[rank].seconds["all_reduce"]
+        assert reduces == pytest.approx(whole)     # every all-reduce is some layer's

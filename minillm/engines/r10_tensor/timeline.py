@@ -72,3 +72,54 @@ def plot_gantt(events: list[Event], ax=None, title: str = ""):
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small")
     ax.set_title(f"{title}  all-reduce share {all_reduce_share(events):.0%}".strip())
     return ax
+
+
+def per_layer(events: list[Event], rank: int = 0) -> list[dict[str, float]]:
+    """Mean seconds per step spent on each of ``rank``'s layers (in its stage's order): the
+    compute before the attention's all-reduce, that all-reduce, the MLP's compute, its all-reduce.
+    Read from the spans alone: inside a ``compute`` span the 2k-th and (2k + 1)-th all-reduces are
+    layer k's; the compute between two all-reduces is the next one's. Rank 0's last stretch (the
+    final norm and the head, or nothing) is left out."""
+    mine = sorted((e for e in events if e.rank == rank), key=lambda e: e.start)
+    computes = [e for e in mine if e.kind == "compute"]
+    reduces = [e for e in mine if e.kind == "all_reduce"]
+    rows: list[dict[str, float]] = []
+    steps = 0
+    for c in computes:
+        inside = [r for r in reduces if c.start <= r.start and r.end <= c.end]
+        if not inside:
+            continue
+        steps += 1
+        t = c.start
+        for k, r in enumerate(inside):
+            layer, part = divmod(k, 2)
+            if layer == len(rows):
+                rows.append({"attention": 0.0, "all_reduce_attention": 0.0, "mlp": 0.0,
+                             "all_reduce_mlp": 0.0})
+            name = "attention" if part == 0 else "mlp"
+            rows[layer][name] += r.start - t
+            rows[layer]["all_reduce_" + name] += r.end - r.start
+            t = r.end
+    return [{k: v / steps for k, v in row.items()} for row in rows] if steps else []
+
+
+def plot_per_layer(events: list[Event], rank: int = 0, ax=None, title: str = ""):
+    """Stacked bars, one per layer: its compute and its two all-reduces (ms per step)."""
+    import matplotlib.pyplot as plt
+
+    rows = per_layer(events, rank)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.2))
+    bottom = [0.0] * len(rows)
+    colors = {"attention": "tab:blue", "all_reduce_attention": "tab:purple", "mlp": "tab:cyan",
+              "all_reduce_mlp": "plum"}
+    for key, color in colors.items():
+        heights = [r[key] * 1000 for r in rows]
+        ax.bar(range(len(rows)), heights, bottom=bottom, color=color,
+               label=key.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xlabel(f"layer (rank {rank}'s stage)")
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize="small", ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.set_title(title or f"rank {rank}: compute and all-reduce per layer")
+    return ax
