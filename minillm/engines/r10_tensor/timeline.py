@@ -10,25 +10,20 @@ from __future__ import annotations
 from ..r7_pipeline.timeline import COLORS as PIPELINE_COLORS
 from ..r7_pipeline.timeline import KINDS as PIPELINE_KINDS
 from ..r7_pipeline.timeline import Event, RankSummary
+from ..r7_pipeline.timeline import summarize as summarize_pipeline
 
 KINDS = ("compute", "all_reduce", *PIPELINE_KINDS[1:])
 COLORS = {**PIPELINE_COLORS, "all_reduce": "tab:purple"}
 
 
 def summarize(events: list[Event]) -> list[RankSummary]:
-    """Per-rank seconds by kind over the common window, all-reduces out of compute, idle added."""
-    if not events:
-        return []
-    t0, t1 = min(e.start for e in events), max(e.end for e in events)
-    out = []
-    for rank in sorted({e.rank for e in events}):
-        secs = {k: 0.0 for k in KINDS}
-        for e in events:
-            if e.rank == rank:
-                secs[e.kind] += e.end - e.start
-        secs["compute"] = max(0.0, secs["compute"] - secs["all_reduce"])
-        secs["idle"] = max(0.0, (t1 - t0) - sum(secs.values()))
-        out.append(RankSummary(rank, t1 - t0, secs))
+    """Rung 7's per-rank seconds by kind, the all-reduces taken out of compute (they are nested
+    in it, so the window and the idle time are rung 7's)."""
+    out = summarize_pipeline([e for e in events if e.kind != "all_reduce"])
+    for r in out:
+        reduce = sum(e.end - e.start for e in events if e.rank == r.rank and e.kind == "all_reduce")
+        r.seconds = {"compute": max(0.0, r.seconds["compute"] - reduce), "all_reduce": reduce,
+                     **{k: v for k, v in r.seconds.items() if k != "compute"}}
     return out
 
 
