@@ -69,3 +69,50 @@ def test_runner_arguments_are_checked(tiny):
         ModelRunner(None, 4, 4, TorchAttention(), net=net)
     with pytest.raises(ValueError, match="contiguous slice of the model's 2 layers"):
         ModelRunner(tiny, 4, 4, TorchAttention(), layers=range(1, 3))
+
+
+@pytest.mark.parametrize("fmt", ["auto", "bfloat16", "int8", "fp8"])
+def test_blocks_move_between_pools_as_stored(fmt):
+    """Rung 11's transfer: ``read_blocks`` of one pool written with ``write_blocks`` into other
+    blocks of another pool of the same layout holds the same bytes (scales too) and reads back
+    the same rows; a pool of another layout refuses them."""
+    from minillm.core.kv_quant import get_format
+
+    def make(num_blocks):
+        return KVPool(2, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=8,
+                      dtype=torch.float32, device=torch.device("cpu"), fmt=get_format(fmt))
+    src, dst = make(6), make(9)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(24, 2, 8, generator=g)
+    for k, v in src.caches:
+        k.view(-1, 2, 8).index_copy_(0, torch.arange(24), rows)
+        v.view(-1, 2, 8).index_copy_(0, torch.arange(24), rows * 2)
+    data = src.read_blocks([4, 1])
+    dst.write_blocks([0, 7], data)
+    for a, b in zip(src.tensors(), dst.tensors()):
+        assert torch.equal(a[[4, 1]].view(torch.uint8), b[[0, 7]].view(torch.uint8))
+    for (k0, _), (k1, _) in zip(src.caches, dst.caches):
+        assert torch.equal(k0[torch.tensor([4, 1])], k1[torch.tensor([0, 7])])
+    other = KVPool(2, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8,
+                   dtype=torch.float32, device=torch.device("cpu"), fmt=get_format(fmt))
+    with pytest.raises(ValueError, match="layout"):
+        other.write_blocks([0, 1], data)
+    with pytest.raises(ValueError, match="layout"):
+        dst.write_blocks([0], data)                    # two blocks of data, one block to fill
+
+
+def test_allocate_loaded_gives_blocks_that_count_as_computed():
+    from minillm.core.block_manager import BlockManager, NoFreeBlocksError
+    from minillm.core.sequence import Sequence
+    from minillm.request import Request
+
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = Sequence(Request(list(range(1, 12))), list(range(1, 12)), 11)
+    assert bm.allocate_loaded(seq, 10) == seq.block_table and len(seq.block_table) == 3
+    assert seq.num_computed_tokens == 10 and seq.num_uncomputed == 1
+    assert bm.num_free_blocks == 1
+    other = Sequence(Request(list(range(1, 12))), list(range(1, 12)), 11)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate_loaded(other, 10)
+    bm.free(seq)
+    assert bm.num_free_blocks == 4 and seq.num_computed_tokens == 0

@@ -235,6 +235,15 @@ class BlockManager:
         self.prefix_hits += hit
         return hit
 
+    def allocate_loaded(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """For a sequence with no blocks yet: blocks for its first ``num_tokens`` tokens, whose K/V
+        another engine computed and is handing over (rung 11's KV transfer writes them in with
+        ``KVPool.write_blocks``); they count as computed. Returns the blocks, in order."""
+        assert not seq.block_table, "a transfer lands only in a sequence's first allocation"
+        self.append_slots(seq, num_tokens)
+        seq.num_computed_tokens = num_tokens
+        return list(seq.block_table)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block the sequence has completely computed (called after each step)."""
         if not self.enable_prefix_caching:

@@ -51,3 +51,22 @@ class KVPool:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for t in self.tensors():
             t[dst] = t[src]
+
+    # --- a KV transfer between two pools of the same layout (rung 11: prefill -> decode) ----------
+    def read_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """A copy of ``blocks``' rows in every tensor of the pool (``tensors()`` order, scales
+        included): what a transfer sends, as stored — never widened or requantized."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return [t[idx] for t in self.tensors()]
+
+    def write_blocks(self, blocks: list[int], data: list[torch.Tensor]) -> None:
+        """Write ``read_blocks``' output (from a pool of the same layout) into ``blocks``."""
+        mine = self.tensors()
+        if len(data) != len(mine) or any(d.shape[1:] != t.shape[1:] or d.dtype != t.dtype or
+                                         d.shape[0] != len(blocks) for d, t in zip(data, mine)):
+            raise ValueError("write_blocks: the data's layout is not this pool's (tensors "
+                             f"{[(tuple(d.shape), d.dtype) for d in data][:2]}..., blocks "
+                             f"{len(blocks)})")
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for t, d in zip(mine, data):
+            t[idx] = d.to(t.device)

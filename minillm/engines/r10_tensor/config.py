@@ -23,7 +23,8 @@ class TensorParallelConfig(ParallelConfig):
     all_reduce: str = option("auto", "tensor parallelism: how a stage sums its slices: "
                                      "'collective' (the process group's all-reduce: NCCL, gloo), "
                                      "'exchange' (point-to-point, summed in rank order), 'auto' "
-                                     "(exchange on CPU for tensors up to 1 MiB, collective otherwise)")
+                                     "(exchange on CPU for tensors up to 1 MiB, collective "
+                                     "otherwise)")
 
     def __post_init__(self):
         if self.all_reduce not in ALL_REDUCES:

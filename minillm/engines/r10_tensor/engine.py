@@ -60,7 +60,8 @@ class TensorParallelEngine(PipelineEngine):
                                  self.model.dtype, self.all_reduce)
 
     def launch_workers(self, world: int, timeout_s: float, threads: int) -> WorkerGroup:
-        return launch(self.net, world, timeout_s, threads, run=run_tensor_worker)
+        return launch(self.net, world, timeout_s, threads, run=run_tensor_worker,
+                      role="tensor-parallel")
 
     def connect(self) -> None:
         super().connect()

@@ -170,8 +170,8 @@ def shard_model(net: PagedLlama, split: HeadSplit, layers: range, kernel,
     for i, w in enumerate(net.layers):
         if i in layers:
             part = shard_layer(w, split, H, KVH, D, kernel)
-            w = replace(part, o=RowParallelLinear(part.o.weight, kernel, all_reduce, split.rank == 0),
-                        down=RowParallelLinear(part.down.weight, kernel, all_reduce,
-                                               split.rank == 0))
+            first = split.rank == 0          # the rank whose slice carries the residual
+            w = replace(part, o=RowParallelLinear(part.o.weight, kernel, all_reduce, first),
+                        down=RowParallelLinear(part.down.weight, kernel, all_reduce, first))
         mine.append(w)
     return net.with_layers(mine, len(split.q_heads), len(split.kv_heads))

@@ -40,11 +40,12 @@ class WorkerGroup:
     processes: dict[int, object] = field(default_factory=dict)   # rank -> multiprocessing.Process
     store: object = None          # the TCPStore rank 0 hosts: it must live as long as the group
     closed: bool = False
+    role: str = "pipeline"        # what the workers are, in messages (rung 11: "prefill")
 
     def dead_worker(self) -> str | None:
         for rank, p in self.processes.items():
             if p.exitcode is not None and not (p.exitcode == 0 and self.closed):
-                return f"pipeline worker rank {rank} (pid {p.pid}) exited with code " \
+                return f"{self.role} worker rank {rank} (pid {p.pid}) exited with code " \
                        f"{p.exitcode}{signal_name(p.exitcode)}"
         return None
 
@@ -57,7 +58,8 @@ class WorkerGroup:
             time.sleep(0.05)
             why = self.dead_worker()
         self.terminate()
-        return PipelineError(f"{why or 'the pipeline failed'}; all ranks stopped ({error})")
+        return PipelineError(f"{why or f'the {self.role} group failed'}; all ranks stopped "
+                             f"({error})")
 
     def terminate(self) -> None:
         self.closed = True
@@ -95,10 +97,12 @@ def signal_name(exitcode: int) -> str:
         return ""
 
 
-def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: int,
-           run=None) -> WorkerGroup:
+def launch(shared, world_size: int, timeout_s: float, worker_threads: int, run=None,
+           role: str = "pipeline") -> WorkerGroup:
     """Spawn ranks 1..world_size-1 on this machine (CPU, gloo) and join the group as rank 0.
-    Each worker then runs ``run(comm, net)`` (``run_worker`` by default; rung 10 has its own)."""
+    Each worker then runs ``run(comm, shared)``: ``run_worker`` with the ``PagedLlama`` by
+    default; rung 10 has its own; rung 11's prefill worker gets the ``LoadedModel``. Tensors in
+    ``shared`` travel as shared memory (nothing is copied)."""
     start_s = max(timeout_s, CONNECT_TIMEOUT_S)   # importing torch in a worker can be slow
     store = dist.TCPStore(HOST, 0, world_size, True, timeout=timedelta(seconds=start_s),
                           wait_for_workers=False)
@@ -106,11 +110,11 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
     ready = ctx.Queue()
     procs = {}
     for rank in range(1, world_size):
-        procs[rank] = ctx.Process(target=worker_main, name=f"minillm-pipeline-rank{rank}",
-                                  args=(rank, world_size, store.port, net, timeout_s,
+        procs[rank] = ctx.Process(target=worker_main, name=f"minillm-{role}-rank{rank}",
+                                  args=(rank, world_size, store.port, shared, timeout_s,
                                         worker_threads, ready, run or run_worker), daemon=True)
         procs[rank].start()
-    group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs, store)
+    group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs, store, role=role)
     # Wait for every worker to have started (imports done) before forming the group: a worker
     # that dies on the way is reported now rather than after the group's whole timeout.
     started, deadline = set(), time.monotonic() + start_s
@@ -121,7 +125,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
             why = group.dead_worker()
             if why or time.monotonic() > deadline:
                 group.terminate()
-                raise PipelineError(why or f"pipeline workers did not start in {start_s} s")
+                raise PipelineError(why or f"{role} workers did not start in {start_s} s")
     try:
         group.comm = new_group(0, world_size, HOST, store.port, torch.device("cpu"), timeout_s,
                                store)
@@ -130,7 +134,7 @@ def launch(net: PagedLlama, world_size: int, timeout_s: float, worker_threads: i
     return group
 
 
-def worker_main(rank: int, world_size: int, port: int, net: PagedLlama, timeout_s: float,
+def worker_main(rank: int, world_size: int, port: int, shared, timeout_s: float,
                 threads: int, ready, run) -> None:
     """A spawned worker: join the group, then serve until "stop" (exit 0) or a failure (exit 1)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle, not ours
@@ -139,9 +143,9 @@ def worker_main(rank: int, world_size: int, port: int, net: PagedLlama, timeout_
     ready.put(rank)
     try:
         comm = new_group(rank, world_size, HOST, port, torch.device("cpu"), timeout_s)
-        run(comm, net)
+        run(comm, shared)
     except PipelineError as e:
-        print(f"[minillm pipeline] {e}", file=sys.stderr)
+        print(f"[minillm worker {rank}] {e}", file=sys.stderr)
         sys.exit(1)
 
 

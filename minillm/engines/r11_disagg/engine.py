@@ -1,0 +1,240 @@
+"""Rung 11's engine: decode here, prefill in another process, KV blocks moved between their pools
+(notebook 11).
+
+Rank 0 is rung 3's engine, serving decodes, and it owns every request. A new request's prompt
+(all but its last token) goes to the prefill worker (``prefill.py``, its own scheduler, block
+manager and pool). Once prefilled there, its blocks wait until this pool has room for them; then
+rank 0 *pulls* them: the prefill worker sends the filled blocks as stored (every layer's K and V,
+scales too), rank 0 allocates as many blocks (``BlockManager.allocate_loaded``), writes them in
+(``KVPool.write_blocks``) and hands the request to its scheduler with the prompt but its last
+token computed. Its next step computes that token and samples the first output token: the same
+sampler and commit point as rung 3, so the tokens are rung 3's. Then it acknowledges, and the
+prefill worker frees its blocks (or keeps them as prefix cache).
+
+Both workers step at the same time: rank 0 sends the step's command, runs its decode step while
+the prefill worker runs its prefill step, then reads the reply. A long prompt's prefill never
+stalls the decodes (the point of disaggregation), and the decodes never delay a prompt.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ...core.block_manager import NoFreeBlocksError
+from ...core.config import options_of
+from ...core.engine import PagedEngine
+from ...request import FinishReason, Request, RequestError
+from ..base import StepOutput
+from ..r7_pipeline.comm import PipelineError, deferred_interrupt
+from ..r7_pipeline.launcher import WorkerGroup, launch
+from .config import DisaggConfig
+from .prefill import run_prefill_worker
+from .transfer import Command, Handoff, Reply, pool_layout, recv_blocks
+
+MAX_TRANSFERS = 10_000
+
+
+@dataclass
+class Transfer:
+    """One request's hand-off, measured on rank 0."""
+
+    num_tokens: int
+    num_blocks: int
+    nbytes: int
+    seconds: float          # from the pull to the blocks written here
+    landed: bool            # False: no room when they arrived, recomputed here instead
+
+
+class DisaggEngine(PagedEngine):
+    name = "disagg"
+    supports_parallel = False    # n > 1 and beams: refused (validate says why)
+    configs = PagedEngine.configs + (DisaggConfig,)
+
+    def __init__(self, model, *, group: WorkerGroup | None = None, **options):
+        if group is None and model.device.type != "cpu":
+            raise ValueError("spawning the prefill worker works on one CPU machine")
+        super().__init__(model, **options)           # the decode side: rung 3's engine
+        c = self.disagg_config
+        self.group = group or launch(model, 2, c.transfer_timeout_s, c.worker_threads,
+                                     run=run_prefill_worker, role="prefill")
+        self.comm = self.group.comm
+        self._finalizer = weakref.finalize(self, self.group.close)
+        self.broken: PipelineError | None = None
+        try:
+            self.comm.send_object(self.prefill_options(), 1)
+            kind, value = self.comm.recv_object(1, what=None)
+        except PipelineError as e:
+            raise self.group.failure(e) from None
+        if kind != "ready":
+            self.close()
+            raise ValueError(f"the prefill worker could not start: {value}")
+        self.prefill_blocks = value
+        self.layout = pool_layout(self.runner.pool.tensors())
+        self.prefilling: dict[str, Request] = {}           # on the prefill worker
+        self.ready: dict[str, tuple[Request, int]] = {}    # prefilled there, waiting for room here
+        self.pulling: dict[str, tuple[Request, float]] = {}
+        self.command = Command()
+        self.transfers: dict[str, Transfer] = {}
+        self.prefill_pool = (value, value)                 # its free and total blocks, last seen
+
+    def prefill_options(self) -> dict:
+        """The prefill worker's engine options: this engine's, its budget and pool from
+        ``DisaggConfig``. The layout (block size, KV dtype, backends) must be the same."""
+        out = {o.name: getattr(cfg, o.field)
+               for cfg in (self.cache_config, self.scheduler_config, self.model_config)
+               for o in options_of(type(cfg)).values()}
+        c = self.disagg_config
+        if c.prefill_kv_cache_bytes is not None:
+            out.update(kv_cache_bytes=c.prefill_kv_cache_bytes, num_blocks=None)
+        if c.prefill_max_num_batched_tokens is not None:
+            out["max_num_batched_tokens"] = c.prefill_max_num_batched_tokens
+        return out
+
+    # --- requests ---------------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        super().validate(req)   # (n > 1 and beams: refused there, supports_parallel is False)
+        if -(-(req.prompt_len - 1) // self.block_size) > self.prefill_blocks:
+            raise RequestError(f"{req.request_id}: its prompt needs more blocks than the prefill "
+                               f"worker's pool has ({self.prefill_blocks}); it could never run")
+
+    def add_request(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.groups or rid in self.prefilling or rid in self.ready or rid in self.pulling:
+            raise RequestError(f"{rid}: a request with this id is already in flight")
+        if req.prompt_len == 1:              # nothing to prefill elsewhere
+            self.scheduler.add(req)
+            return
+        self.prefilling[rid] = req
+        self.command.new.append((rid, list(req.prompt_token_ids[:-1]), req.priority))
+
+    def has_unfinished(self) -> bool:
+        """Until the prefill worker has been told of every landed transfer and abort too: a run
+        ends with both pools back to full."""
+        return super().has_unfinished() or bool(self.prefilling or self.ready or self.pulling
+                                                 or self.command.acks or self.command.aborts)
+
+    def abort(self, request_id: str) -> bool:
+        elsewhere = self.prefilling.pop(request_id, None) or \
+            (self.ready.pop(request_id, (None,))[0])
+        if elsewhere is not None:
+            self.command.aborts.append(request_id)
+        elif request_id in self.pulling:      # its blocks are on the way: dropped when they land
+            elsewhere = self.pulling[request_id][0]
+        if elsewhere is None:
+            return super().abort(request_id)
+        if elsewhere.finished:
+            return False
+        self.aborted.append(self.scheduler.finish_group(self.scheduler.add(elsewhere),
+                                                        FinishReason.ABORT))
+        return True
+
+    # --- one step: both workers at once ---------------------------------------------------------
+    def _step(self) -> StepOutput:
+        if self.broken is not None:
+            raise self.broken
+        with deferred_interrupt():    # a command sent <=> its reply read: the two stay in step
+            self.command.pulls = self._choose_pulls()
+            try:
+                self.comm.send_object(self.command, 1)
+            except PipelineError as e:
+                self._break(e)
+            self.command = Command()
+            try:
+                out = super()._step()    # the decode step, while the prefill worker runs its own
+            finally:
+                self._land()
+        return out
+
+    def _choose_pulls(self) -> list[str]:
+        """Prefilled requests, oldest first, while this pool has their blocks (and one more for
+        their next token) beyond one block per running request, and a seat; nobody overtakes."""
+        free = self.block_manager.num_free_blocks - len(self.scheduler.running)
+        seats = self.scheduler.max_num_seqs - len(self.scheduler.running) - \
+            len(self.scheduler.waiting)
+        pulls = []
+        for rid, (req, n) in list(self.ready.items()):
+            need = -(-n // self.block_size) + 1
+            if need > free or seats <= 0:
+                break
+            free, seats = free - need, seats - 1
+            del self.ready[rid]
+            self.pulling[rid] = (req, time.perf_counter())
+            pulls.append(rid)
+        return pulls
+
+    def _land(self) -> None:
+        """The prefill worker's reply: newly prefilled requests, and the pulled blocks."""
+        try:
+            reply: Reply = self.comm.recv_object(1, what=None)
+            self.prefill_pool = (reply.free_blocks, reply.num_blocks)
+            for rid, n in reply.ready:
+                req = self.prefilling.pop(rid, None)
+                if req is not None:               # (an abort may have crossed the reply)
+                    self.ready[rid] = (req, n)
+            for h in reply.sent:
+                data = recv_blocks(self.comm, 1, h.num_blocks, self.layout)
+                self._import(h, data)
+        except PipelineError as e:
+            self._break(e)
+
+    def _import(self, h: Handoff, data: list[torch.Tensor]) -> None:
+        req, t = self.pulling.pop(h.request_id)
+        self.command.acks.append(h.request_id)
+        if req.finished:                          # aborted while its blocks were on the way
+            return
+        seq = self.scheduler.add(req).seqs[0]
+        try:
+            blocks = self.block_manager.allocate_loaded(seq, h.num_tokens)
+        except NoFreeBlocksError:                 # the decode step took the room: recompute
+            landed = False
+        else:
+            self.runner.pool.write_blocks(blocks, data)
+            self.block_manager.cache_full_blocks(seq)
+            landed = True
+        self.transfers[h.request_id] = Transfer(h.num_tokens, h.num_blocks,
+                                                h.nbytes(self.layout),
+                                                time.perf_counter() - t, landed)
+        if len(self.transfers) > MAX_TRANSFERS:          # a long-running server keeps the latest
+            del self.transfers[next(iter(self.transfers))]
+
+    def _break(self, error: PipelineError):
+        self.broken = self.group.failure(error)
+        raise self.broken from None
+
+    # --- clean-up -------------------------------------------------------------------------------
+    def reset(self) -> list[Request]:
+        """Drop every request, here and on the prefill worker (one exchange, so both are between
+        steps again)."""
+        dropped = []
+        for rid in list(self.prefilling) + list(self.ready) + list(self.pulling):
+            req = (self.prefilling.pop(rid, None) or self.ready.pop(rid, (None,))[0]
+                   or self.pulling[rid][0])
+            if rid not in self.pulling:
+                self.command.aborts.append(rid)
+            if not req.finished:
+                dropped.append(self.scheduler.finish_group(self.scheduler.add(req),
+                                                           FinishReason.ABORT))
+        if self.broken is None:
+            try:
+                with deferred_interrupt():
+                    self.comm.send_object(self.command, 1)
+                    self.command = Command()
+                    self._land()
+            except PipelineError:
+                pass                               # broken now; the caller's next step says so
+        self.ready.clear()
+        return dropped + super().reset()
+
+    def health_error(self) -> str | None:
+        if self.broken is not None:
+            return str(self.broken)
+        return self.group.dead_worker()
+
+    def close(self) -> None:
+        """Stop the prefill worker (also done when the engine is garbage-collected)."""
+        self._finalizer()
+        self.broken = self.broken or PipelineError("this disagg engine is closed: its prefill "
+                                                   "worker is stopped")
