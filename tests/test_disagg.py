@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections import Counter
 
 import pytest
@@ -33,7 +32,8 @@ def roomy(tiny):
 
 @pytest.fixture(scope="module")
 def tight(tiny):
-    engine = DisaggEngine(tiny, **TIGHT)
+    # lockstep: one exchange per step, so the schedule (and its preemptions) is reproducible
+    engine = DisaggEngine(tiny, lockstep=True, **TIGHT)
     yield engine
     engine.close()
 
@@ -86,15 +86,19 @@ def test_aborts_at_every_stage_free_both_pools(tight, tiny, when):
     finals = Counter()
     for r in reqs:
         tight.add_request(r)
-    steps = {"queued": 0, "prefilling": 1, "ready": 3, "decoding": 6}[when]
-    for _ in range(steps):
+    def stage(r):
+        if any(rid == r.request_id for rid, _, _ in tight.command.new):
+            return "queued"                        # not yet sent to the prefill worker
+        return ("prefilling" if r.request_id in tight.prefilling else
+                "ready" if r.request_id in tight.ready else
+                "decoding" if r.request_id in tight.groups else None)
+    target = None
+    for _ in range(200):        # lockstep: the same steps reach the same stages on every run
+        target = next((r for r in reqs if stage(r) == when), None)
+        if target is not None:
+            break
         finals.update(r.request_id for r in tight.step().finished)
-    target = next((r for r in reqs if not r.finished), reqs[0])
-    where = ("prefilling" if target.request_id in tight.prefilling else
-             "ready" if target.request_id in tight.ready else "decoding")
-    assert where == ("prefilling" if when == "queued" else when)
-    queued = any(rid == target.request_id for rid, _, _ in tight.command.new)
-    assert queued == (when == "queued"), "queued: not yet sent to the prefill worker"
+    assert target is not None, f"no request was ever {when}"
     assert tight.abort(target.request_id)
     while tight.has_unfinished():
         finals.update(r.request_id for r in tight.step().finished)
@@ -104,16 +108,17 @@ def test_aborts_at_every_stage_free_both_pools(tight, tiny, when):
 
 
 def test_a_real_ctrl_c_leaves_both_workers_in_step(roomy, tiny):
-    for delay_s in (0.05, 0.3):
+    """A real SIGINT at a given step (from the step callback, so no wall clock decides where):
+    the run raises KeyboardInterrupt, every request ends, both pools are full, the next run is
+    exact."""
+    for at in (2, 5, 40):
+        def interrupt(snapshot, record):
+            if record.step == at:
+                os.kill(os.getpid(), signal.SIGINT)
         reqs = requests(random_prompts(6, seed=114), SamplingParams(max_tokens=400,
-                                                                    ignore_eos=True), f"int{delay_s}")
-        timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                roomy.run(reqs)
-        finally:
-            timer.join()
+                                                                    ignore_eos=True), f"int{at}")
+        with pytest.raises(KeyboardInterrupt):
+            roomy.run(reqs, on_step=interrupt)
         assert all(r.finished for r in reqs) and not roomy.groups
     assert_same_as_paged(roomy, tiny, random_prompts(3, seed=115), SamplingParams(max_tokens=5),
                          **ROOMY)
@@ -156,3 +161,15 @@ def test_abort_while_its_blocks_are_on_the_way(tight, tiny):
     aborted = {o.request_id for o in result.outputs if o.finish_reason == FinishReason.ABORT}
     assert aborted == set(hit) and hit[0] not in tight.transfers
     assert_pools_full(tight)
+
+
+def test_overlapped_and_lockstep_give_the_same_tokens(tiny):
+    """By default the decodes never wait for a prefill step (the reply is read once it is in):
+    the schedule then depends on timing, the tokens do not."""
+    engine = DisaggEngine(tiny, **TIGHT)
+    try:
+        assert_same_as_paged(engine, tiny, shared_prefix_prompts(8, seed=118), PARAMS * 3,
+                             **TIGHT)
+        assert_pools_full(engine)
+    finally:
+        engine.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.config import option, set_checked
+from ...core.config import check_bool, option, set_checked
 
 
 @dataclass(frozen=True)
@@ -18,9 +18,13 @@ class DisaggConfig:
     worker_threads: int = option(1, "disagg: torch threads of the prefill worker")
     transfer_timeout_s: int = option(60, "disagg: seconds any wait on the other worker may take "
                                          "before it is an error")
+    lockstep: bool = option(False, "disagg: wait for the prefill worker's reply every step: "
+                                   "reproducible schedules, but the decodes then wait for each "
+                                   "prefill step, as in one engine")
 
     def __post_init__(self):
         set_checked(self, "prefill_max_num_batched_tokens", optional=True)
         set_checked(self, "prefill_kv_cache_bytes", optional=True)
         set_checked(self, "worker_threads")
         set_checked(self, "transfer_timeout_s")
+        check_bool("lockstep", self.lockstep)

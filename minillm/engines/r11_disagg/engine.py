@@ -11,9 +11,10 @@ token computed. Its next step computes that token and samples the first output t
 sampler and commit point as rung 3, so the tokens are rung 3's. Then it acknowledges, and the
 prefill worker frees its blocks (or keeps them as prefix cache).
 
-Both workers step at the same time: rank 0 sends the step's command, runs its decode step while
-the prefill worker runs its prefill step, then reads the reply. A long prompt's prefill never
-stalls the decodes (the point of disaggregation), and the decodes never delay a prompt.
+The two workers run at their own pace: rank 0 sends a command, keeps decoding, and reads the
+reply whenever it has arrived (then sends the next command); the prefill worker answers each
+command after one prefill step. A long prompt's prefill never stalls the decodes (the point of
+disaggregation), and the decodes never delay a prompt.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ...core.config import options_of
 from ...core.engine import PagedEngine
 from ...request import FinishReason, Request, RequestError
 from ..base import StepOutput
-from ..r7_pipeline.comm import PipelineError, deferred_interrupt
+from ..r7_pipeline.comm import PendingObject, PipelineError, deferred_interrupt
 from ..r7_pipeline.launcher import WorkerGroup, launch
 from .config import DisaggConfig
 from .prefill import run_prefill_worker
@@ -77,6 +78,7 @@ class DisaggEngine(PagedEngine):
         self.ready: dict[str, tuple[Request, int]] = {}    # prefilled there, waiting for room here
         self.pulling: dict[str, tuple[Request, float]] = {}
         self.command = Command()
+        self.pending: PendingObject | None = None          # the reply to the last command
         self.transfers: dict[str, Transfer] = {}
         self.prefill_pool = (value, value)                 # its free and total blocks, last seen
 
@@ -113,8 +115,9 @@ class DisaggEngine(PagedEngine):
     def has_unfinished(self) -> bool:
         """Until the prefill worker has been told of every landed transfer and abort too: a run
         ends with both pools back to full."""
-        return super().has_unfinished() or bool(self.prefilling or self.ready or self.pulling
-                                                 or self.command.acks or self.command.aborts)
+        return super().has_unfinished() or self.pending is not None or bool(
+            self.prefilling or self.ready or self.pulling or self.command.acks or
+            self.command.aborts)
 
     def abort(self, request_id: str) -> bool:
         elsewhere = self.prefilling.pop(request_id, None) or \
@@ -133,20 +136,37 @@ class DisaggEngine(PagedEngine):
 
     # --- one step: both workers at once ---------------------------------------------------------
     def _step(self) -> StepOutput:
+        """Rank 0's decode step; around it, the exchange with the prefill worker, which runs at
+        its own pace: a command goes out when its last reply is in, and a reply is read only once
+        it has arrived — the decodes never wait for a prefill (unless they have nothing to do)."""
         if self.broken is not None:
             raise self.broken
-        with deferred_interrupt():    # a command sent <=> its reply read: the two stay in step
-            self.command.pulls = self._choose_pulls()
+        lockstep = self.disagg_config.lockstep   # (one command and its reply per step)
+        with deferred_interrupt():    # a reply read <=> its blocks landed and acknowledged
+            self._exchange(block=lockstep)
             try:
-                self.comm.send_object(self.command, 1)
-            except PipelineError as e:
-                self._break(e)
-            self.command = Command()
-            try:
-                out = super()._step()    # the decode step, while the prefill worker runs its own
+                out = super()._step()
             finally:
-                self._land()
+                idle = not self.scheduler.has_unfinished()
+                self._exchange(block=lockstep or idle, send=not lockstep)
         return out
+
+    def _exchange(self, block: bool, send: bool = True) -> None:
+        """Read the prefill worker's reply if it is in (or wait for it: ``block``), then send the
+        next command (``send``) if the worker has anything to do."""
+        try:
+            if self.pending is not None and (block or self.pending.arrived()):
+                reply, self.pending = self.pending.take(), None
+                self._land(reply)
+            if send and self.pending is None and (
+                    self.prefilling or self.ready or self.command.new or self.command.aborts or
+                    self.command.acks):
+                self.command.pulls = self._choose_pulls()
+                self.comm.send_object(self.command, 1)
+                self.command = Command()
+                self.pending = self.comm.post_recv_object(1)
+        except PipelineError as e:
+            self._break(e)
 
     def _choose_pulls(self) -> list[str]:
         """Prefilled requests, oldest first, while this pool has their blocks (and one more for
@@ -165,20 +185,15 @@ class DisaggEngine(PagedEngine):
             pulls.append(rid)
         return pulls
 
-    def _land(self) -> None:
+    def _land(self, reply: Reply) -> None:
         """The prefill worker's reply: newly prefilled requests, and the pulled blocks."""
-        try:
-            reply: Reply = self.comm.recv_object(1, what=None)
-            self.prefill_pool = (reply.free_blocks, reply.num_blocks)
-            for rid, n in reply.ready:
-                req = self.prefilling.pop(rid, None)
-                if req is not None:               # (an abort may have crossed the reply)
-                    self.ready[rid] = (req, n)
-            for h in reply.sent:
-                data = recv_blocks(self.comm, 1, h.num_blocks, self.layout)
-                self._import(h, data)
-        except PipelineError as e:
-            self._break(e)
+        self.prefill_pool = (reply.free_blocks, reply.num_blocks)
+        for rid, n in reply.ready:
+            req = self.prefilling.pop(rid, None)
+            if req is not None:               # (an abort may have crossed the reply)
+                self.ready[rid] = (req, n)
+        for h in reply.sent:
+            self._import(h, recv_blocks(self.comm, 1, h.num_blocks, self.layout))
 
     def _import(self, h: Handoff, data: list[torch.Tensor]) -> None:
         req, t = self.pulling.pop(h.request_id)
@@ -220,9 +235,8 @@ class DisaggEngine(PagedEngine):
         if self.broken is None:
             try:
                 with deferred_interrupt():
-                    self.comm.send_object(self.command, 1)
-                    self.command = Command()
-                    self._land()
+                    self._exchange(block=True)     # the reply in flight, if any
+                    self._exchange(block=True)     # the aborts and acks, answered
             except PipelineError:
                 pass                               # broken now; the caller's next step says so
         self.ready.clear()

@@ -73,7 +73,10 @@ class PrefillEngine(PagedEngine):
 
 
 def serve(comm: Comm, engine: PrefillEngine) -> None:
-    """The prefill worker's loop: a command from rank 0, one step, a reply (then the blocks)."""
+    """The prefill worker's loop: a command from rank 0, the reply (and the pulled blocks) at
+    once, then one prefill step, whose newly parked requests the next reply reports. Replying
+    before the step means a pull never waits for a prefill step to end."""
+    parked: list[str] = []                  # newly prefilled since the last reply
     while True:
         cmd: Command | str = comm.recv_object(0, what=None, timeout_s=IDLE_TIMEOUT_S)
         if cmd == "stop":
@@ -89,17 +92,18 @@ def serve(comm: Comm, engine: PrefillEngine) -> None:
             engine.abort(rid)
         engine._take_aborted()        # (their requests are rank 0's to report)
         sent = [engine.export(rid) for rid in cmd.pulls]
-        before, tokens = set(engine.parked), 0
-        if engine.has_work():
-            tokens = engine.step().num_prefill_tokens
         bm = engine.block_manager
-        ready = [(rid, g.seqs[0].num_computed_tokens) for rid, g in engine.parked.items()
-                 if rid not in before]
-        comm.send_object(Reply(ready, [h for h, _ in sent], bm.num_free_blocks, bm.num_blocks,
-                               tokens), 0)
+        ready = [(rid, engine.parked[rid].seqs[0].num_computed_tokens) for rid in parked
+                 if rid in engine.parked]
+        comm.send_object(Reply(ready, [h for h, _ in sent], bm.num_free_blocks, bm.num_blocks),
+                         0)
         for _, data in sent:
             send_blocks(comm, 0, data)
         comm.prune()
+        before = set(engine.parked)
+        if engine.has_work():
+            engine.step()
+        parked = [rid for rid in engine.parked if rid not in before]
 
 
 def run_prefill_worker(comm: Comm, model) -> None:

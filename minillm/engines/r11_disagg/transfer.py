@@ -2,9 +2,10 @@
 
 Rank 0 (the decode worker, which also owns every request) sends a ``Command``: prompts to
 prefill, aborts, the prefilled requests it has room for (*pulls*) and the transfers that landed
-(*acks*). The prefill worker runs one step of its own and answers with a ``Reply``: the requests
-it finished prefilling, a ``Handoff`` for each pull, followed by that request's blocks — every
-tensor of its pool (K and V of every layer, scales too) at those blocks, as stored, as raw bytes.
+(*acks*). The prefill worker answers at once with a ``Reply`` — the requests its last step
+finished prefilling, a ``Handoff`` for each pull, followed by that request's blocks (every tensor
+of its pool, K and V of every layer, scales too, at those blocks, as stored, as raw bytes) — and
+then runs one prefill step.
 Pull, not push: a prefilled request waits in the prefill worker's pool (holding its blocks, so its
 scheduler admits fewer new prompts) until the decode pool has room — that is the back-pressure.
 """
@@ -41,9 +42,8 @@ class Handoff:
 class Reply:
     ready: list[tuple[str, int]] = field(default_factory=list)   # newly prefilled: (id, tokens)
     sent: list[Handoff] = field(default_factory=list)            # their blocks follow, in order
-    free_blocks: int = 0                                         # the prefill pool, after the step
+    free_blocks: int = 0                                         # the prefill pool, now
     num_blocks: int = 0
-    prefill_tokens: int = 0                                      # tokens its step computed
 
 
 def pool_layout(tensors: list[torch.Tensor]) -> list[tuple[torch.dtype, torch.Size]]:
