@@ -102,7 +102,7 @@ def test_routing_lives_in_the_registry():
 
 def test_serve_offers_the_servable_engines_that_abort():
     from minillm.serve.cli import servable_engines
-    assert servable_engines() == ("dynamic", "paged")
+    assert servable_engines() == ("dynamic", "paged", "disagg")
     assert all(REGISTRY[name].supports_abort for name in servable_engines())
 
 

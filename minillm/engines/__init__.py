@@ -4,7 +4,7 @@
 config dataclasses the class declares in ``configs``, ``minillm/core/config.py``: no list of
 options is kept by hand anywhere), where a name leads with some options (``upgrades``: ``paged``
 with ``speculative=`` is rung 6, with ``pipeline_parallel_size`` rung 7, with
-``tensor_parallel_size`` rung 10) and what it can do
+``tensor_parallel_size`` rung 10; ``disagg``, rung 11, has a name of its own) and what it can do
 (abort, n > 1 and beam search: class attributes of the engine). The CLI, the benchmark, the
 server and ``LLM`` all go through it.
 """
@@ -79,6 +79,7 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
                worker="minillm.engines.r7_pipeline.launcher:torchrun_worker"),
     EngineSpec("tensor", 10, "minillm.engines.r10_tensor.engine", "TensorParallelEngine",
                worker="minillm.engines.r10_tensor.engine:torchrun_worker"),
+    EngineSpec("disagg", 11, "minillm.engines.r11_disagg.engine", "DisaggEngine", servable=True),
 )}
 ENGINES = tuple(REGISTRY)
 

@@ -103,6 +103,10 @@ class Engine:
         """Requests added but not yet holding KV memory."""
         raise NotImplementedError
 
+    # torch threads this engine's own worker processes compute on, beside the caller's thread
+    # (rung 11's prefill worker): a server gives its engine loop the cores that are left
+    threads_in_workers = 0
+
     # counters an engine with a scheduler keeps (cumulative since the engine was made)
     num_preemptions = 0
     prefix_hit_tokens = 0

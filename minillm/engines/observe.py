@@ -13,6 +13,9 @@ Phases, in the order they happen within one step:
 - ``"beam"`` — one request's beam search chose its continuations (``data``: the
   ``core.beam.BeamChoice``); a trace records them so the visualizer can replay the search.
 - ``"verified"`` — rung 6 verified one sequence's guesses (``data``: a ``Verification``).
+- ``"transferred"`` — rung 11: a request's prompt blocks arrived from the prefill worker and
+  were written into this pool (``request_id``; ``data``: the ``r11_disagg.engine.Transfer``:
+  tokens, blocks, bytes, seconds). The server's ``/metrics`` counts them.
 - ``"stepped"`` — the step is over (``data``: its ``StepOutput``); every engine emits it.
 
 ``StepEvent.step`` is the step of the current run, counted from 1 like ``StepRecord.step``.
@@ -28,8 +31,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal
 if TYPE_CHECKING:
     from .base import Engine
 
-Phase = Literal["preempted", "computed", "beam", "verified", "stepped"]
-PHASES: tuple[Phase, ...] = ("preempted", "computed", "beam", "verified", "stepped")
+Phase = Literal["preempted", "computed", "beam", "verified", "transferred", "stepped"]
+PHASES: tuple[Phase, ...] = ("preempted", "computed", "beam", "verified", "transferred",
+                             "stepped")
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,16 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "bias rows); gate_up its intermediate units of gate and of up; o and down keep the "
              "matching input columns. A row-parallel call multiplies its slice, adds the residual "
              "on rank 0 only, then returns the all-reduce of that."),
+    Exercise("11", "Disaggregation: the KV hand-off between the prefill and the decode worker",
+             "minillm.engines.r11_disagg.transfer",
+             ("filled_blocks", "Handoff.nbytes", "recv_blocks", "land"),
+             "11_disaggregation", 30,
+             "The first ceil(num_tokens / block_size) blocks of the table move, the last maybe "
+             "partly filled; a hand-off's bytes are, for every pool tensor, its blocks times the "
+             "elements of one block times the element size; the receiver reads each tensor as "
+             "exactly that many uint8 bytes and views them as (blocks, *block shape) of the "
+             "tensor's dtype; land = allocate_loaded, write_blocks, cache_full_blocks, or None "
+             "with nothing allocated when the pool has no room."),
 ]}
 
 

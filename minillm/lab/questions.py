@@ -49,6 +49,16 @@ def smollm2_all_reduce_bytes_per_token(tensor_parallel_size: int) -> float:
     return tp_bytes_per_token(c.hidden_size, c.num_hidden_layers, tensor_parallel_size)
 
 
+def smollm2_handoff_bytes(prompt_len: int, block_size: int = 16) -> int:
+    """Bytes rung 11 moves from the prefill worker to the decode worker for one prompt of
+    ``prompt_len`` tokens on SmolLM2 (fp32): the blocks holding all but its last token
+    (``transfer.filled_blocks``), whole, at the engine's bytes per token."""
+    from ..engines.r11_disagg.transfer import filled_blocks
+
+    moved = filled_blocks(list(range(prompt_len)), prompt_len - 1, block_size)
+    return len(moved) * block_size * smollm2_kv_bytes_per_token()
+
+
 def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int = 3,
                                  block_size: int = 16) -> tuple[int, int]:
     """Blocks held at the end by ``n`` independent requests vs one request with ``n`` samples,
@@ -160,6 +170,12 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "two all-reduces per layer of a [tokens, hidden] tensor; a ring all-reduce sends "
              "2 (T - 1) / T of the tensor out of every rank; hidden 576, 30 layers, 4 bytes",
              rel_tol=1e-9),
+    Question("11.q1", "bytes the disagg engine moves from the prefill worker to the decode "
+             "worker for one 1000-token prompt on SmolLM2 (fp32 cache, block_size 16)",
+             lambda: smollm2_handoff_bytes(1000),
+             "the prefill worker computes every prompt token but the last; the blocks holding "
+             "them move whole (the last one partly filled); one token is 30 layers × (K and V) × "
+             "3 KV heads × 64 × 4 bytes", rel_tol=0.0),
 ]}
 
 

@@ -58,11 +58,13 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        llm.engine.observers.add(loop.metrics.observe)    # rung 11's KV transfers
         loop.start()
         try:
             yield
         finally:
             loop.shutdown()
+            llm.engine.observers.remove(loop.metrics.observe)
             prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan)

@@ -108,6 +108,8 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # an engine with worker processes (disagg's prefill worker) leaves their cores to them
+    threads = max(1, threads - llm.engine.threads_in_workers)
     key = args.api_key or os.environ.get(KEY_ENV) or None
     app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard,
                      api_key=key, max_body_bytes=args.max_body_bytes, engine_threads=threads)

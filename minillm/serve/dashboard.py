@@ -76,15 +76,33 @@ class Dashboard:
             eng.scheduler.policy.name,
             "kv_cache_dtype": getattr(getattr(eng, "kv_format", None), "name", None),
             "running": [self.row(r) for r in self.requests(running=True)],
-            "waiting": [self.row(r, text=False) for r in self.requests(running=False)],
+            "waiting": self.waiting(),
             "kv": kv_json(eng.snapshot()),
             "points": list(self.points),
             "stats": {"num_running": eng.num_running(), "num_waiting": loop.num_waiting(),
                       "finished": self.num_finished, "preemptions": eng.num_preemptions,
                       "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
         }
+        prefill = getattr(eng, "prefill_snapshot", None)      # rung 11: the other pool
+        if prefill is not None:
+            picture = prefill()
+            self.frame["kv_prefill"] = None if picture is None else kv_json(picture)
+        if (moved := loop.metrics.transfers) is not None:
+            seconds, nbytes = moved
+            self.frame["transfers"] = {"requests": nbytes.count, "bytes": nbytes.total,
+                                       "mean_ms": round(1e3 * seconds.total / seconds.count, 1)}
         self.last_build = now
         self.version += 1
+
+    def waiting(self) -> list[dict]:
+        """The waiting queue; with the disagg engine also the requests still on their way to
+        the decode pool, with their stage (prefilling, prefilled, in transfer)."""
+        rows = [self.row(r, text=False) for r in self.requests(running=False)]
+        stages = getattr(self.loop.engine, "stages", None)
+        if stages is not None:
+            rows += [{**self.row(r, text=False), "stage": stage}
+                     for stage, reqs in stages().items() for r in reqs]
+        return rows
 
     def requests(self, running: bool) -> list:
         sched = getattr(self.loop.engine, "scheduler", None)

@@ -200,17 +200,20 @@ def add_serve_bench_args(p) -> None:
                    help="--serve: /v1/chat/completions (default) or /v1/completions")
     g.add_argument("--ignore-eos", action="store_true",
                    help="--serve: every request generates exactly --max-tokens (vLLM's extra)")
-    g.add_argument("--mix", action="store_true",
-                   help="--serve: interactive and batch requests with priorities and TTFT "
-                        "objectives (serve/mixed.py), reported per class with goodput; compare "
-                        "policies with --serve minillm:fcfs,minillm:priority,minillm:score")
+    from .mixed import MIXES        # (mixed.py imports this module: not at the top)
+    g.add_argument("--mix", nargs="?", const="policies", choices=tuple(MIXES), default=None,
+                   help="--serve: classes of requests with their objectives (serve/mixed.py), "
+                        "reported per class with goodput. 'policies' (--mix alone): interactive "
+                        "and batch requests with priorities, for --serve minillm:fcfs,"
+                        "minillm:priority,minillm:score; 'disagg': steady decodes among which "
+                        "long prompts arrive, for --serve minillm,minillm:disagg")
 
 
 def serve_only_flags(args) -> list[str]:
     """The --serve flags given without --serve (they would be silently ignored)."""
     given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
              "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None,
-             "--input-len": args.input_len, "--mix": args.mix or None}
+             "--input-len": args.input_len, "--mix": args.mix}
     return [flag for flag, value in given.items() if value is not None]
 
 
@@ -234,13 +237,13 @@ def main(args) -> int:
                 "input_len": args.input_len}
     classes = None
     if args.mix:
-        from .mixed import CLASSES, make_mixed_bodies
-        bodies, classes = make_mixed_bodies(args.model, n, args.seed)
-        chat, workload = False, {**workload, "max_tokens": None, "classes": [
-            vars(c) for c in CLASSES]}
+        from .mixed import MIXES, make_mixed_bodies
+        bodies, classes = make_mixed_bodies(args.model, n, args.seed, args.mix)
+        chat, workload = False, {**workload, "max_tokens": None, "mix": args.mix, "classes": [
+            vars(c) for c in MIXES[args.mix]]}
     if "://" not in args.serve:
         return compare_servers(args, bodies, rate, chat, workload, classes)
-    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat, classes)
+    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat, classes, args.mix)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({**workload, **m}, f, indent=1)
@@ -248,7 +251,7 @@ def main(args) -> int:
 
 
 def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, seed: int,
-          chat: bool, classes: list | None = None) -> dict:
+          chat: bool, classes: list | None = None, mix: str | None = None) -> dict:
     """Send ``bodies`` to the server at ``url``; print and return the summary (per class too,
     ``m["classes"]``, for ``--mix``'s ``classes``)."""
     results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat))
@@ -256,7 +259,7 @@ def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, se
     print(report(m, rate, concurrency))
     if classes is not None:
         from .mixed import by_class
-        m["classes"] = by_class(results, classes, duration)
+        m["classes"] = by_class(results, classes, duration, mix)
     for err in m["errors"]:
         print(f"error: {err}")
     return m
@@ -277,12 +280,12 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
         names = []
     if not names or len(set(names)) < len(names) or (classes and OFFLINE in names):
         print(f"error: --serve takes a URL (http://HOST:PORT) or distinct server names from "
-              f"{', '.join(SERVERS)}, minillm:POLICY (and {OFFLINE}: the engine in this process, "
-              f"not with --mix); got {args.serve!r}")
+              f"{', '.join(SERVERS)}, minillm:POLICY or minillm:ENGINE (and {OFFLINE}: the "
+              f"engine in this process, not with --mix); got {args.serve!r}")
         return 2
-    # --mix: every server keeps the KV of a request it evicts for another (prefix caching), so
-    # an eviction costs a lookup, not a recomputed prompt; the same for every policy
-    extra = ["--enable-prefix-caching"] if classes else []
+    # --mix policies: every server keeps the KV of a request it evicts for another (prefix
+    # caching), so an eviction costs a lookup, not a recomputed prompt; the same for every policy
+    extra = ["--enable-prefix-caching"] if args.mix == "policies" else []
     log_dir = (Path(args.json).resolve().parent if args.json else Path.cwd()) / "server-logs"
     results = {}
     for name in names:
@@ -298,14 +301,14 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
             with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
                          log_dir, extra=extra) as url:
                 results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
-                                      classes)
+                                      classes, args.mix)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1
     print(side_by_side(results))
     if classes:
         from .mixed import class_table
-        print(class_table({n: m["classes"] for n, m in results.items()}))
+        print(class_table({n: m["classes"] for n, m in results.items()}, args.mix))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({**workload, "max_num_seqs": args.max_batch, "servers": results,

@@ -18,6 +18,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# rung 11: a prompt's KV blocks moved from the prefill worker (seconds; bytes, 4 KiB to 4 GiB)
+TRANSFER_S_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                      5.0, 10.0)
+TRANSFER_BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(1, 12))
 
 
 @dataclass
@@ -64,6 +68,7 @@ class ServerMetrics:
         self.prefix_queries = 0                  # prompt tokens looked up in the prefix cache
         self.rejected = 0                        # 429s: the waiting queue was full
         self.by_class: dict[str, tuple[Histogram, Histogram]] = {}   # priority -> (ttft, tpot)
+        self.transfers: tuple[Histogram, Histogram] | None = None    # rung 11: (seconds, bytes)
 
     def _class_of(self, priority: int) -> tuple[Histogram, Histogram]:
         """The histograms of a priority class: one per value, up to MAX_CLASSES (a client
@@ -92,6 +97,17 @@ class ServerMetrics:
             for g in gaps:
                 self.itl.observe(g)
             self.generation_tokens += num_tokens
+
+    def observe(self, event) -> None:
+        """An engine observer (``engines/observe.py``): rung 11's ``"transferred"`` events, one
+        per request whose prompt's KV blocks came from the prefill worker."""
+        if event.phase != "transferred":
+            return
+        with self.lock:
+            if self.transfers is None:
+                self.transfers = (Histogram(TRANSFER_S_BUCKETS), Histogram(TRANSFER_BYTES_BUCKETS))
+            self.transfers[0].observe(event.data.seconds)
+            self.transfers[1].observe(event.data.nbytes)
 
     def observe_accepted(self, prompt_tokens: int) -> None:
         with self.lock:
@@ -133,6 +149,14 @@ class ServerMetrics:
                 metric(name, "histogram", help_, [
                     line for c, hists in sorted(self.by_class.items())
                     for line in hists[i].lines(name, f'{lab},priority="{c}"')])
+            for name, i, help_ in (
+                    ("minillm:kv_transfer_seconds", 0, "Per request (disagg engine): from asking "
+                     "the prefill worker for a prompt's KV blocks to their landing in the decode "
+                     "pool."),
+                    ("minillm:kv_transfer_bytes", 1, "Per request (disagg engine): bytes of KV "
+                     "moved from the prefill worker's pool to the decode pool.")):
+                if self.transfers is not None:
+                    metric(name, "histogram", help_, self.transfers[i].lines(name, lab))
         return "\n".join(lines) + "\n"
 
 

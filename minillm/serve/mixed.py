@@ -1,16 +1,23 @@
-"""A mixed workload for scheduling policies (notebook 08): ``python -m minillm bench --serve
-minillm:fcfs,minillm:priority,minillm:score --mix``.
+"""Mixed workloads: classes of requests on one Poisson clock, reported per class.
 
-Two classes of requests share one Poisson clock, as on a server that takes both chat traffic and
-offline jobs: ``interactive`` (short prompts, short answers, priority 0, a tight TTFT objective)
-and ``batch`` (long prompts, long answers, priority 1, a loose one). Every server gets the same
-bodies at the same times; the report splits TTFT and TPOT by class and counts **goodput**: the
-requests per second that finished within their class's TTFT objective (DistServe's measure),
-beside the plain throughput. Prompts are random token ids (``loadgen.RANDOM_IDS``), so their
-lengths are exact; ``ignore_eos`` fixes the answers' lengths.
+``--mix policies`` (``--mix`` alone; notebook 08: ``python -m minillm bench --serve
+minillm:fcfs,minillm:priority,minillm:score --mix``), as on a server that takes both chat traffic
+and offline jobs: ``interactive`` (short prompts, short answers, priority 0, a tight TTFT
+objective) and ``batch`` (long prompts, long answers, priority 1, a loose one).
+
+``--mix disagg`` (notebook 11: ``--serve minillm,minillm:disagg --mix disagg``): ``steady``
+requests (short prompts, long answers: decodes that run all along) among which ``long`` ones
+arrive (long prompts, a few tokens): in one engine each long prefill stalls the steady decodes
+(their ITL and TPOT spike); disaggregated, it runs on the prefill worker.
+
+Every server gets the same bodies at the same times; the report splits TTFT, TPOT and ITL by
+class and counts **goodput**: the requests per second that finished within their class's
+objectives (DistServe's measure), beside the plain throughput. Prompts are random token ids
+(``loadgen.RANDOM_IDS``), so their lengths are exact; ``ignore_eos`` fixes the answers' lengths.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -26,20 +33,27 @@ class RequestClass:
     input_len: int
     max_tokens: int
     slo_ttft_ms: float          # the class's objective: first token within this
+    share: float = 0.5          # the chance that a request is of this class
+    slo_tpot_ms: float = math.inf   # and (where set) a mean time per output token within this
 
 
-CLASSES = (RequestClass("interactive", 0, 64, 32, 1000.0),
-           RequestClass("batch", 1, 512, 128, 20000.0))
+MIXES: dict[str, tuple[RequestClass, ...]] = {
+    "policies": (RequestClass("interactive", 0, 64, 32, 1000.0),
+                 RequestClass("batch", 1, 512, 128, 20000.0)),
+    "disagg": (RequestClass("steady", 0, 32, 128, 2000.0, 0.75, slo_tpot_ms=150.0),
+               RequestClass("long", 0, 1024, 8, 20000.0, 0.25)),
+}
 
 
 def make_mixed_bodies(model: str, num_requests: int, seed: int,
-                      interactive_share: float = 0.5) -> tuple[list[dict], list[RequestClass]]:
-    """Bodies for /v1/completions and each one's class, drawn with ``seed``: a request is
-    interactive with probability ``interactive_share``."""
+                      mix: str = "policies") -> tuple[list[dict], list[RequestClass]]:
+    """Bodies for /v1/completions and each one's class (of ``MIXES[mix]``), drawn with ``seed``
+    by the classes' shares."""
     rng = random.Random(seed)
+    kinds = MIXES[mix]
     bodies, classes = [], []
     for _ in range(num_requests):
-        c = CLASSES[0] if rng.random() < interactive_share else CLASSES[1]
+        c = rng.choices(kinds, weights=[k.share for k in kinds])[0]
         prompt = [rng.choice(RANDOM_IDS) for _ in range(c.input_len)]
         bodies.append({"model": model, "prompt": prompt,
                        "max_tokens": c.max_tokens, "temperature": 0.0, "stream": True,
@@ -49,40 +63,61 @@ def make_mixed_bodies(model: str, num_requests: int, seed: int,
     return bodies, classes
 
 
-def by_class(results: list[RequestResult], classes: list[RequestClass], duration: float) -> dict:
-    """Per class: completed, TTFT and TPOT P50/P99 (ms), goodput (requests/s within the class's
-    TTFT objective); and ``all``: throughput and total goodput."""
+def tpot_s(r: RequestResult) -> float:
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else math.nan
+
+
+def by_class(results: list[RequestResult], classes: list[RequestClass], duration: float,
+             mix: str = "policies") -> dict:
+    """Per class of ``MIXES[mix]``: completed, TTFT, TPOT and ITL P50/P99 (ms), goodput
+    (requests/s within the class's objectives); and ``all``: throughput and total goodput."""
     out = {}
-    for c in CLASSES:
+    for c in MIXES[mix]:
         mine = [r for r, k in zip(results, classes) if k is c and r.ok]
         ttft = np.array([r.ttft for r in mine] or [np.nan]) * 1e3
-        tpot = np.array([(r.latency - r.ttft) / (r.output_tokens - 1) for r in mine
-                         if r.output_tokens > 1] or [np.nan]) * 1e3
-        good = sum(1 for r in mine if r.ttft * 1e3 <= c.slo_ttft_ms)
+        tpot = np.array([tpot_s(r) for r in mine if r.output_tokens > 1] or [np.nan]) * 1e3
+        itl = np.array([g for r in mine for g in r.itl] or [np.nan]) * 1e3
+        good = sum(1 for r in mine if r.ttft * 1e3 <= c.slo_ttft_ms and
+                   not tpot_s(r) * 1e3 > c.slo_tpot_ms)
         out[c.name] = {"requests": sum(1 for k in classes if k is c), "completed": len(mine),
-                       "slo_ttft_ms": c.slo_ttft_ms, "met_slo": good,
+                       "slo_ttft_ms": c.slo_ttft_ms,
+                       "slo_tpot_ms": None if math.isinf(c.slo_tpot_ms) else c.slo_tpot_ms,
+                       "met_slo": good,
                        "goodput_req_s": good / duration if duration else 0.0,
                        "ttft_p50_ms": float(np.percentile(ttft, 50)),
                        "ttft_p99_ms": float(np.percentile(ttft, 99)),
                        "tpot_p50_ms": float(np.percentile(tpot, 50)),
-                       "tpot_p99_ms": float(np.percentile(tpot, 99))}
+                       "tpot_p99_ms": float(np.percentile(tpot, 99)),
+                       "itl_p50_ms": float(np.percentile(itl, 50)),
+                       "itl_p99_ms": float(np.percentile(itl, 99))}
     ok = [r for r in results if r.ok]
     out["all"] = {"output_tok_s": sum(r.output_tokens for r in ok) / duration if duration else 0.0,
-                  "goodput_req_s": sum(out[c.name]["goodput_req_s"] for c in CLASSES)}
+                  "goodput_req_s": sum(out[c.name]["goodput_req_s"] for c in MIXES[mix])}
     return out
 
 
-def class_table(per_server: dict[str, dict]) -> str:
-    """One markdown row per (server, class): what the README's policy table shows."""
+def objectives(c: RequestClass) -> str:
+    tpot = "" if math.isinf(c.slo_tpot_ms) else f", TPOT ≤ {c.slo_tpot_ms:g} ms"
+    return f"p{c.priority}, TTFT ≤ {c.slo_ttft_ms / 1e3:g} s{tpot}"
+
+
+def ms(k: dict, key: str) -> str:
+    """A time in whole ms, or "—" where a report does not have it (one saved before it did)."""
+    return f"{k[key]:.0f}" if key in k else "—"
+
+
+def class_table(per_server: dict[str, dict], mix: str = "policies") -> str:
+    """One markdown row per (server, class): what the README's policy and disagg tables show."""
     lines = ["| server | class | completed | TTFT P50 / P99 (ms) | TPOT P50 / P99 (ms) | "
-             "within TTFT objective | goodput (req/s) | output tok/s |", "|" + "---|" * 8]
+             "ITL P50 / P99 (ms) | within objectives | goodput (req/s) | output tok/s |",
+             "|" + "---|" * 9]
     for name, m in per_server.items():
-        for c in CLASSES:
+        for c in MIXES[mix]:
             k = m[c.name]
-            lines.append(f"| {name} | {c.name} (p{c.priority}, ≤ {c.slo_ttft_ms / 1e3:g} s) | "
+            lines.append(f"| {name} | {c.name} ({objectives(c)}) | "
                          f"{k['completed']}/{k['requests']} | {k['ttft_p50_ms']:.0f} / "
                          f"{k['ttft_p99_ms']:.0f} | {k['tpot_p50_ms']:.0f} / "
-                         f"{k['tpot_p99_ms']:.0f} "
-                         f"| {k['met_slo']} | {k['goodput_req_s']:.2f} | "
+                         f"{k['tpot_p99_ms']:.0f} | {ms(k, 'itl_p50_ms')} / "
+                         f"{ms(k, 'itl_p99_ms')} | {k['met_slo']} | {k['goodput_req_s']:.2f} | "
                          f"{m['all']['output_tok_s']:.1f} |")
     return "\n".join(lines)

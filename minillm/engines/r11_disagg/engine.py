@@ -13,27 +13,31 @@ prefill worker frees its blocks (or keeps them as prefix cache).
 
 The two workers run at their own pace: rank 0 sends a command, keeps decoding, and reads the
 reply whenever it has arrived (then sends the next command); the prefill worker answers each
-command after one prefill step. A long prompt's prefill never stalls the decodes (the point of
-disaggregation), and the decodes never delay a prompt.
+command at once and then runs one prefill step. A long prompt's prefill never stalls the decodes
+(the point of disaggregation), and the decodes never delay a prompt. The reply and its blocks are
+received on a thread of their own while rank 0 decodes: gloo completes a receive only inside its
+``wait`` (a poll never sees one arrive), so the thread waits and the step lands what it has.
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from ...core.block_manager import NoFreeBlocksError
 from ...core.config import options_of
 from ...core.engine import PagedEngine
+from ...memory import MemorySnapshot
 from ...request import FinishReason, Request, RequestError
 from ..base import StepOutput
-from ..r7_pipeline.comm import PendingObject, PipelineError, deferred_interrupt
+from ..r7_pipeline.comm import PipelineError, deferred_interrupt
 from ..r7_pipeline.launcher import WorkerGroup, launch
 from .config import DisaggConfig
 from .prefill import run_prefill_worker
-from .transfer import Command, Handoff, Reply, pool_layout, recv_blocks
+from .transfer import Command, Handoff, Reply, land, pool_layout, recv_blocks
 
 MAX_TRANSFERS = 10_000
 
@@ -45,7 +49,8 @@ class Transfer:
     num_tokens: int
     num_blocks: int
     nbytes: int
-    seconds: float          # from the pull to the blocks written here
+    seconds: float          # the blocks on the wire: from the reply to the last byte here
+    waited_s: float         # from the pull (rank 0 asking for them) to the blocks written here
     landed: bool            # False: no room when they arrived, recomputed here instead
 
 
@@ -78,9 +83,15 @@ class DisaggEngine(PagedEngine):
         self.ready: dict[str, tuple[Request, int]] = {}    # prefilled there, waiting for room here
         self.pulling: dict[str, tuple[Request, float]] = {}
         self.command = Command()
-        self.pending: PendingObject | None = None          # the reply to the last command
+        self.pending: Future | None = None                 # the reply to the last command
         self.transfers: dict[str, Transfer] = {}
         self.prefill_pool = (value, value)                 # its free and total blocks, last seen
+        self._prefill_picture: MemorySnapshot | None = None
+        self._want_picture = False
+
+    @property
+    def threads_in_workers(self) -> int:
+        return self.disagg_config.worker_threads
 
     def prefill_options(self) -> dict:
         """The prefill worker's engine options: this engine's, its budget and pool from
@@ -119,6 +130,16 @@ class DisaggEngine(PagedEngine):
             self.prefilling or self.ready or self.pulling or self.command.acks or
             self.command.aborts)
 
+    def num_waiting(self) -> int:
+        """Requests not yet decoding here: queued, prefilling, prefilled, or in transfer."""
+        return super().num_waiting() + len(self.prefilling) + len(self.ready) + len(self.pulling)
+
+    def stages(self) -> dict[str, list[Request]]:
+        """Where the requests that are not decoding here are (the dashboard's waiting list)."""
+        return {"prefilling": list(self.prefilling.values()),
+                "prefilled": [r for r, _ in self.ready.values()],
+                "in transfer": [r for r, _ in self.pulling.values()]}
+
     def abort(self, request_id: str) -> bool:
         elsewhere = self.prefilling.pop(request_id, None) or \
             (self.ready.pop(request_id, (None,))[0])
@@ -155,16 +176,17 @@ class DisaggEngine(PagedEngine):
         """Read the prefill worker's reply if it is in (or wait for it: ``block``), then send the
         next command (``send``) if the worker has anything to do."""
         try:
-            if self.pending is not None and (block or self.pending.arrived()):
-                reply, self.pending = self.pending.take(), None
-                self._land(reply)
+            if self.pending is not None and (block or self.pending.done()):
+                (reply, moved), self.pending = self.pending.result(), None
+                self._land(reply, moved)
             if send and self.pending is None and (
                     self.prefilling or self.ready or self.command.new or self.command.aborts or
                     self.command.acks):
                 self.command.pulls = self._choose_pulls()
+                self.command.snapshot, self._want_picture = self._want_picture, False
                 self.comm.send_object(self.command, 1)
                 self.command = Command()
-                self.pending = self.comm.post_recv_object(1)
+                self.pending = self._post_read()
         except PipelineError as e:
             self._break(e)
 
@@ -185,39 +207,67 @@ class DisaggEngine(PagedEngine):
             pulls.append(rid)
         return pulls
 
-    def _land(self, reply: Reply) -> None:
-        """The prefill worker's reply: newly prefilled requests, and the pulled blocks."""
+    def _post_read(self) -> Future:
+        """Receive the reply to the command just sent, and the blocks that follow it, on a thread
+        of its own (see the module's docstring); the step takes the result once it is done."""
+        done: Future = Future()
+
+        def read():
+            try:
+                reply = self.comm.recv_object(1, what=None)
+                moved = []
+                for h in reply.sent:
+                    t = time.perf_counter()
+                    data = recv_blocks(self.comm, 1, h.num_blocks, self.layout)
+                    moved.append((data, time.perf_counter() - t))
+                done.set_result((reply, moved))
+            except BaseException as e:  # noqa: BLE001 - the step re-raises it (result())
+                done.set_exception(e)
+        threading.Thread(target=read, name="minillm-disagg-reply", daemon=True).start()
+        return done
+
+    def _land(self, reply: Reply, moved: list[tuple[list[torch.Tensor], float]]) -> None:
+        """The prefill worker's reply: newly prefilled requests, and the pulled blocks (with the
+        seconds each hand-off's bytes took to arrive)."""
         self.prefill_pool = (reply.free_blocks, reply.num_blocks)
+        if reply.snapshot is not None:
+            self._prefill_picture = reply.snapshot
         for rid, n in reply.ready:
             req = self.prefilling.pop(rid, None)
             if req is not None:               # (an abort may have crossed the reply)
                 self.ready[rid] = (req, n)
-        for h in reply.sent:
-            self._import(h, recv_blocks(self.comm, 1, h.num_blocks, self.layout))
+        landed = [self._import(h, data, seconds) for h, (data, seconds) in zip(reply.sent, moved)]
+        for h, transfer in zip(reply.sent, landed):  # (every hand-off landed: an observer may raise)
+            if transfer is not None:
+                self.observers.emit("transferred", h.request_id, transfer)
 
-    def _import(self, h: Handoff, data: list[torch.Tensor]) -> None:
+    def _import(self, h: Handoff, data: list[torch.Tensor], seconds: float) -> Transfer | None:
         req, t = self.pulling.pop(h.request_id)
         self.command.acks.append(h.request_id)
         if req.finished:                          # aborted while its blocks were on the way
-            return
+            return None
         seq = self.scheduler.add(req).seqs[0]
-        try:
-            blocks = self.block_manager.allocate_loaded(seq, h.num_tokens)
-        except NoFreeBlocksError:                 # the decode step took the room: recompute
-            landed = False
-        else:
-            self.runner.pool.write_blocks(blocks, data)
-            self.block_manager.cache_full_blocks(seq)
-            landed = True
-        self.transfers[h.request_id] = Transfer(h.num_tokens, h.num_blocks,
-                                                h.nbytes(self.layout),
-                                                time.perf_counter() - t, landed)
+        # None: the decode step took the room since the pull; the prompt is recomputed here
+        landed = land(self.block_manager, self.runner.pool, seq, h.num_tokens, data) is not None
+        self.transfers[h.request_id] = done = Transfer(h.num_tokens, h.num_blocks,
+                                                       h.nbytes(self.layout), seconds,
+                                                       time.perf_counter() - t, landed)
         if len(self.transfers) > MAX_TRANSFERS:          # a long-running server keeps the latest
             del self.transfers[next(iter(self.transfers))]
+        return done
 
     def _break(self, error: PipelineError):
         self.broken = self.group.failure(error)
         raise self.broken from None
+
+    # --- the other pool -------------------------------------------------------------------------
+    def prefill_snapshot(self) -> MemorySnapshot | None:
+        """The prefill worker's pool as its latest reply that carried one drew it (None before
+        the first); the next command asks for a fresh one. The pool lives in the other process:
+        a picture of it costs a message, so it travels only when someone looks (the dashboard,
+        notebook 11)."""
+        self._want_picture = True
+        return self._prefill_picture
 
     # --- clean-up -------------------------------------------------------------------------------
     def reset(self) -> list[Request]:

@@ -115,6 +115,24 @@ def table(runs: list[Measurement]) -> str:
     return "\n".join(lines)
 
 
+def plot_itl(runs: list[Measurement], ax=None, arrivals: list[float] = ()):
+    """Each run's gaps between decode steps while the steady requests run, over time: a long
+    prompt's prefill in the same engine shows as a spike; ``arrivals``: the long ones' offsets."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(9, 3.2))[1]
+    for m in runs:
+        t, gaps = m.extra["itl_series"]
+        ax.plot(t, gaps, lw=1, label=m.label)
+    for a in arrivals:
+        ax.axvline(a, color="0.6", lw=0.8, ls=":")
+    ax.set_xlabel("seconds since the run started (dotted: a long prompt arrives)")
+    ax.set_ylabel("gap between decode steps (ms)")
+    ax.set_yscale("log")
+    ax.legend(fontsize="small")
+    return ax
+
+
 def main(argv: list[str] | None = None) -> int:
     from ...core.engine import PagedEngine
     from ...models import load_model

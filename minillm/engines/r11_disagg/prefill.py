@@ -19,7 +19,7 @@ from ...core.scheduler import SequenceGroup
 from ...request import FinishReason, Request, RequestError, SamplingParams
 from ..base import StepOutput
 from ..r7_pipeline.comm import IDLE_TIMEOUT_S, Comm, PipelineError
-from .transfer import Command, Handoff, Reply, send_blocks
+from .transfer import Command, Handoff, Reply, filled_blocks, send_blocks
 
 
 class PrefillEngine(PagedEngine):
@@ -56,7 +56,7 @@ class PrefillEngine(PagedEngine):
         """A parked request's blocks, as stored (it keeps them until ``release``)."""
         seq = self.parked[request_id].seqs[0]
         n = seq.num_computed_tokens
-        blocks = seq.block_table[:-(-n // self.block_size)]
+        blocks = filled_blocks(seq.block_table, n, self.block_size)
         hashes = tuple(self.block_manager.blocks[b].hash for b in blocks)
         return (Handoff(request_id, n, len(blocks), hashes),
                 self.runner.pool.read_blocks(blocks))
@@ -75,7 +75,10 @@ class PrefillEngine(PagedEngine):
 def serve(comm: Comm, engine: PrefillEngine) -> None:
     """The prefill worker's loop: a command from rank 0, the reply (and the pulled blocks) at
     once, then one prefill step, whose newly parked requests the next reply reports. Replying
-    before the step means a pull never waits for a prefill step to end."""
+    before the step means a pull never waits for a prefill step to end; and after a reply that
+    reports newly prefilled requests the worker waits for the next command before it steps
+    again — that command is the one that can pull them, and rank 0 sends it within one decode
+    step, where a prefill step would keep the first token waiting for a whole step."""
     parked: list[str] = []                  # newly prefilled since the last reply
     while True:
         cmd: Command | str = comm.recv_object(0, what=None, timeout_s=IDLE_TIMEOUT_S)
@@ -95,13 +98,13 @@ def serve(comm: Comm, engine: PrefillEngine) -> None:
         bm = engine.block_manager
         ready = [(rid, engine.parked[rid].seqs[0].num_computed_tokens) for rid in parked
                  if rid in engine.parked]
-        comm.send_object(Reply(ready, [h for h, _ in sent], bm.num_free_blocks, bm.num_blocks),
-                         0)
+        comm.send_object(Reply(ready, [h for h, _ in sent], bm.num_free_blocks, bm.num_blocks,
+                               engine.snapshot() if cmd.snapshot else None), 0)
         for _, data in sent:
             send_blocks(comm, 0, data)
         comm.prune()
         before = set(engine.parked)
-        if engine.has_work():
+        if engine.has_work() and not ready:
             engine.step()
         parked = [rid for rid in engine.parked if rid not in before]
 

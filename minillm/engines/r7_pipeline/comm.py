@@ -131,13 +131,6 @@ class Comm:
         data = self.recv((size,), torch.uint8, src, TAG_META, what, microbatch)
         return pickle.loads(data.cpu().numpy().tobytes())
 
-    def post_recv_object(self, src: int) -> "PendingObject":
-        """Start receiving an object without waiting for it (rung 11 polls for a reply while it
-        decodes): ``arrived()`` says whether its length came, ``take()`` reads it."""
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        return PendingObject(self, src, size,
-                             self._call(lambda: self.pg.recv([size], src, TAG_META), src))
-
     def close(self) -> None:
         self.pending.clear()
         try:
@@ -145,22 +138,6 @@ class Comm:
                 self.pg.shutdown()
         except Exception:   # the peers may be gone already; nothing left to tell them
             pass
-
-
-@dataclass
-class PendingObject:
-    comm: Comm
-    src: int
-    size: torch.Tensor
-    work: object
-
-    def arrived(self) -> bool:
-        return self.work.is_completed()
-
-    def take(self):
-        self.comm.wait(self.work, self.src)
-        data = self.comm.recv((int(self.size[0]),), torch.uint8, self.src, TAG_META, what=None)
-        return pickle.loads(data.cpu().numpy().tobytes())
 
 
 def new_group(rank: int, world_size: int, host: str, port: int, device: torch.device,
