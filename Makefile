@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies bench-kv profile figures html kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies bench-kv bench-disagg profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -72,6 +72,11 @@ bench-policies: setup
 bench-kv: setup
 	$(BIN)/python -m minillm.kv_accuracy --json figures/kv_accuracy.json
 	$(BIN)/python -m minillm bench --quick --engines paged --experiments kv_dtype --json figures/bench_kv.json --no-figure
+
+# Rung 11: one engine vs prefill and decode disaggregated (and with short prompts local), under
+# steady decodes among which long prompts arrive; each server in turn on the same cores. ~4 min.
+bench-disagg: setup
+	$(BIN)/python -m minillm bench --serve minillm,minillm:disagg,minillm:disagg/local-prefill-max-tokens=64 --mix disagg --rate 1.2 --requests 48 --max-batch 32 --json figures/serve_disagg.json
 
 bench-full: setup
 	$(BIN)/python -m minillm bench

@@ -173,3 +173,20 @@ def test_overlapped_and_lockstep_give_the_same_tokens(tiny):
         assert_pools_full(engine)
     finally:
         engine.close()
+
+
+def test_short_prompts_are_prefilled_where_they_decode(tiny):
+    """``local_prefill_max_tokens``: prompts that short never go to the prefill worker (no
+    transfer), the longer ones do; the tokens are the paged engine's either way."""
+    engine = DisaggEngine(tiny, local_prefill_max_tokens=12, **ROOMY)
+    try:
+        prompts = random_prompts(8, seed=119, lo=4, hi=30)
+        got = assert_same_as_paged(engine, tiny, prompts, PARAMS * 3, **ROOMY)
+        moved = {rid for rid, t in engine.transfers.items() if t.landed}
+        long_ones = {o.request_id for o, p in zip(got.outputs, prompts) if len(p) > 12}
+        assert moved == long_ones and 0 < len(long_ones) < len(prompts)
+        assert_pools_full(engine)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="local_prefill_max_tokens must be an integer >= 0"):
+        DisaggEngine(tiny, local_prefill_max_tokens=-1)

@@ -41,10 +41,22 @@ def free_port() -> int:
 def split_name(name: str) -> tuple[str, list[str]]:
     """``minillm:score`` -> ("minillm", ["--policy", "score"]): minillm's server under a scheduling
     policy (core/policy.py); ``minillm:disagg`` -> ("minillm", ["--engine", "disagg"]): another of
-    its servable engines than ``paged``. A ValueError for an unknown server, policy or engine."""
+    its servable engines than ``paged``; ``/option=value`` after either adds an engine option
+    (``minillm:disagg/local-prefill-max-tokens=64``). A ValueError for an unknown server, policy,
+    engine or option."""
     from ..core.policy import POLICIES
+    from ..engines import all_options
     from .cli import servable_engines
 
+    name, *settings = name.split("/")
+    flags = []
+    for s in settings:
+        key, eq, value = s.partition("=")
+        if not eq or key.replace("-", "_") not in all_options() or not value:
+            raise ValueError(f"bad engine option {s!r} in --serve name {name!r}: write "
+                             f"/OPTION=VALUE with OPTION one of "
+                             f"{', '.join(o.replace('_', '-') for o in all_options())}")
+        flags += [f"--{key}", value]
     server, _, variant = name.partition(":")
     engines = [e for e in servable_engines() if e != "paged"]
     if server not in SERVERS or (variant and (server != "minillm" or
@@ -53,9 +65,11 @@ def split_name(name: str) -> tuple[str, list[str]]:
                          f"{', '.join(SERVERS)} (minillm:POLICY with POLICY one of "
                          f"{', '.join(POLICIES)}, or minillm:ENGINE with ENGINE one of "
                          f"{', '.join(engines)})")
+    if flags and server != "minillm":
+        raise ValueError(f"engine options (/OPTION=VALUE) are minillm's, not {server}'s")
     if not variant:
-        return server, []
-    return server, ["--policy" if variant in POLICIES else "--engine", variant]
+        return server, flags
+    return server, ["--policy" if variant in POLICIES else "--engine", variant, *flags]
 
 
 def server_command(name: str, model: str, port: int, max_num_seqs: int,
@@ -145,7 +159,7 @@ def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_d
     port = free_port()
     cmd, env = server_command(name, model, port, max_num_seqs, kv_cache_bytes, extra)
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"server-{name.replace(':', '-')}.log"
+    log = log_dir / f"server-{name.replace(':', '-').replace('/', '-').replace('=', '')}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

@@ -18,6 +18,10 @@ class DisaggConfig:
     worker_threads: int = option(1, "disagg: torch threads of the prefill worker")
     transfer_timeout_s: int = option(60, "disagg: seconds any wait on the other worker may take "
                                          "before it is an error")
+    local_prefill_max_tokens: int = option(
+        0, "disagg: prompts of at most this many tokens are prefilled on the decode side (a "
+           "short prefill costs a decode step little, a hand-off a round of messages); 0: every "
+           "prompt goes to the prefill worker")
     lockstep: bool = option(False, "disagg: wait for the prefill worker's reply every step: "
                                    "reproducible schedules, but the decodes then wait for each "
                                    "prefill step, as in one engine")
@@ -27,4 +31,5 @@ class DisaggConfig:
         set_checked(self, "prefill_kv_cache_bytes", optional=True)
         set_checked(self, "worker_threads")
         set_checked(self, "transfer_timeout_s")
+        set_checked(self, "local_prefill_max_tokens", 0)
         check_bool("lockstep", self.lockstep)

@@ -117,8 +117,8 @@ class DisaggEngine(PagedEngine):
         rid = req.request_id
         if rid in self.groups or rid in self.prefilling or rid in self.ready or rid in self.pulling:
             raise RequestError(f"{rid}: a request with this id is already in flight")
-        if req.prompt_len == 1:              # nothing to prefill elsewhere
-            self.scheduler.add(req)
+        if req.prompt_len <= max(1, self.disagg_config.local_prefill_max_tokens):
+            self.scheduler.add(req)          # computed here: nothing (worth) moving
             return
         self.prefilling[rid] = req
         self.command.new.append((rid, list(req.prompt_token_ids[:-1]), req.priority))
