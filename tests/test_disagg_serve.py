@@ -17,7 +17,7 @@ from minillm import LLM, SamplingParams
 from minillm.lab.reference import random_prompts
 from serve_util import running_server, wait_until
 
-OPTIONS = dict(num_blocks=96, block_size=4, max_num_seqs=8)
+OPTIONS = dict(num_blocks=600, block_size=4, max_num_seqs=8)
 
 
 def pools_full(app) -> bool:
@@ -88,8 +88,8 @@ def test_dashboard_frames_carry_both_pools(served):
 
 def test_client_that_hangs_up_frees_blocks_on_both_workers(served):
     url, app = served
-    body = {"model": "tiny-llama", "prompt": [7] * 25, "max_tokens": 300, "stream": True,
-            "ignore_eos": True}       # (325 tokens: 82 of the 96 blocks)
+    body = {"model": "tiny-llama", "prompt": [7] * 25, "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}       # (2025 tokens: 507 of the 600 blocks; it outlasts the test)
     before = app.state.loop.metrics.finished.get("abort", 0)
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200

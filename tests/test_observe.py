@@ -190,3 +190,17 @@ def test_the_scan_sees_a_write():
         "engine.scheduler.select_beams"]
     assert list(_attribute_writes("llm.engine.trace = []")) == ["llm.engine.trace"]
     assert list(_attribute_writes("view.title = 'x'")) == []
+
+
+def test_an_observer_of_some_phases_sees_only_those(tiny):
+    llm = LLM(tiny, engine="paged", num_blocks=9, block_size=4)
+    obs = llm.engine.observers
+    everything, computed = [], []
+    with obs.watching(everything.append), obs.watching(computed.append, ("computed",)):
+        assert obs.wants("computed") and obs.wants("stepped") and len(obs) == 2
+        llm.run(mixed_requests(llm))
+    assert computed and {e.phase for e in computed} == {"computed"}
+    assert [e for e in everything if e.phase == "computed"] == computed
+    assert len(obs) == 0 and not obs.wants("computed")
+    with pytest.raises(ValueError, match="unknown observer phases \\['compute'\\]"):
+        obs.add(computed.append, ("compute",))

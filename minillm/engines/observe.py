@@ -49,11 +49,14 @@ Observer = Callable[[StepEvent], None]
 
 
 class Observers:
-    """One engine's observers. ``emit`` costs a truth test when nobody watches."""
+    """One engine's observers. ``emit`` costs a dict lookup when nobody watches that phase: an
+    observer may watch some phases only (the server's metrics watch ``"transferred"``), and the
+    other phases of every step then cost it nothing."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._fns: list[Observer] = []
+        self._fns: list[tuple[Observer, frozenset]] = []
+        self._by_phase: dict[str, list[Observer]] = {p: [] for p in PHASES}
 
     def __bool__(self) -> bool:
         return bool(self._fns)
@@ -61,28 +64,43 @@ class Observers:
     def __len__(self) -> int:
         return len(self._fns)
 
-    def add(self, fn: Observer) -> Observer:
-        """Watch every later step (returns ``fn``, so ``trace = engine.observers.add(T())``)."""
+    def wants(self, phase: Phase) -> bool:
+        """Whether anyone watches ``phase`` (skip building an event's data when nobody does)."""
+        return bool(self._by_phase[phase])
+
+    def add(self, fn: Observer, phases: tuple[Phase, ...] = PHASES) -> Observer:
+        """Watch every later step's ``phases`` (all by default); returns ``fn``, so
+        ``trace = engine.observers.add(T())``."""
         if not callable(fn):
             raise TypeError(f"an observer must be callable with a StepEvent, got {fn!r}")
-        self._fns = self._fns + [fn]      # a new list: a step iterating the old one is unaffected
+        unknown = set(phases) - set(PHASES)
+        if unknown:
+            raise ValueError(f"unknown observer phases {sorted(unknown)}: choose from "
+                             f"{', '.join(PHASES)}")
+        self._set(self._fns + [(fn, frozenset(phases))])
         return fn
 
     def remove(self, fn: Observer) -> None:
-        self._fns = [f for f in self._fns if f is not fn]
+        self._set([(f, p) for f, p in self._fns if f is not fn])
+
+    def _set(self, fns: list[tuple[Observer, frozenset]]) -> None:
+        # new lists: a step iterating the old ones is unaffected
+        self._fns = fns
+        self._by_phase = {p: [f for f, phases in fns if p in phases] for p in PHASES}
 
     @contextmanager
-    def watching(self, fn: Observer) -> Iterator[Observer]:
+    def watching(self, fn: Observer, phases: tuple[Phase, ...] = PHASES) -> Iterator[Observer]:
         """``with engine.observers.watching(recorder):`` — watch for the block only."""
-        self.add(fn)
+        self.add(fn, phases)
         try:
             yield fn
         finally:
             self.remove(fn)
 
     def emit(self, phase: Phase, request_id: str | None = None, data: object = None) -> None:
-        if not self._fns:
+        fns = self._by_phase[phase]
+        if not fns:
             return
         event = StepEvent(phase, self.engine.step_count + 1, self.engine, request_id, data)
-        for fn in self._fns:
+        for fn in fns:
             fn(event)

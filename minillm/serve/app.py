@@ -58,7 +58,7 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        llm.engine.observers.add(loop.metrics.observe)    # rung 11's KV transfers
+        llm.engine.observers.add(loop.metrics.observe, ("transferred",))   # rung 11's KV moves
         loop.start()
         try:
             yield

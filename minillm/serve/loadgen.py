@@ -40,6 +40,13 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
 
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first (NaN with one token or none)."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
 
 # --input-len prompts: token ids drawn uniformly from this range, as ``vllm bench serve``'s random
 # dataset does (ids past the special tokens of any tokenizer with >= 30k entries, SmolLM2's 49k)
@@ -137,8 +144,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     out["output_throughput"] = out["total_output_tokens"] * per_s
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) * per_s
     series = {"ttft": [r.ttft for r in ok],
-              "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1)
-                       for r in ok if r.output_tokens > 1],
+              "tpot": [r.tpot for r in ok if r.output_tokens > 1],
               "itl": [g for r in ok for g in r.itl],
               "e2el": [r.latency for r in ok]}
     for name, values in series.items():

@@ -99,10 +99,8 @@ class ServerMetrics:
             self.generation_tokens += num_tokens
 
     def observe(self, event) -> None:
-        """An engine observer (``engines/observe.py``): rung 11's ``"transferred"`` events, one
-        per request whose prompt's KV blocks came from the prefill worker."""
-        if event.phase != "transferred":
-            return
+        """An engine observer (``engines/observe.py``) of rung 11's ``"transferred"`` phase: one
+        event per request whose prompt's KV blocks came from the prefill worker."""
         with self.lock:
             if self.transfers is None:
                 self.transfers = (Histogram(TRANSFER_S_BUCKETS), Histogram(TRANSFER_BYTES_BUCKETS))

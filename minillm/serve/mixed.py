@@ -63,10 +63,6 @@ def make_mixed_bodies(model: str, num_requests: int, seed: int,
     return bodies, classes
 
 
-def tpot_s(r: RequestResult) -> float:
-    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else math.nan
-
-
 def by_class(results: list[RequestResult], classes: list[RequestClass], duration: float,
              mix: str = "policies") -> dict:
     """Per class of ``MIXES[mix]``: completed, TTFT, TPOT and ITL P50/P99 (ms), goodput
@@ -75,10 +71,10 @@ def by_class(results: list[RequestResult], classes: list[RequestClass], duration
     for c in MIXES[mix]:
         mine = [r for r, k in zip(results, classes) if k is c and r.ok]
         ttft = np.array([r.ttft for r in mine] or [np.nan]) * 1e3
-        tpot = np.array([tpot_s(r) for r in mine if r.output_tokens > 1] or [np.nan]) * 1e3
+        tpot = np.array([r.tpot for r in mine if r.output_tokens > 1] or [np.nan]) * 1e3
         itl = np.array([g for r in mine for g in r.itl] or [np.nan]) * 1e3
         good = sum(1 for r in mine if r.ttft * 1e3 <= c.slo_ttft_ms and
-                   not tpot_s(r) * 1e3 > c.slo_tpot_ms)
+                   not r.tpot * 1e3 > c.slo_tpot_ms)
         out[c.name] = {"requests": sum(1 for k in classes if k is c), "completed": len(mine),
                        "slo_ttft_ms": c.slo_ttft_ms,
                        "slo_tpot_ms": None if math.isinf(c.slo_tpot_ms) else c.slo_tpot_ms,

@@ -9,7 +9,8 @@ scales too), rank 0 allocates as many blocks (``BlockManager.allocate_loaded``),
 (``KVPool.write_blocks``) and hands the request to its scheduler with the prompt but its last
 token computed. Its next step computes that token and samples the first output token: the same
 sampler and commit point as rung 3, so the tokens are rung 3's. Then it acknowledges, and the
-prefill worker frees its blocks (or keeps them as prefix cache).
+prefill worker frees its blocks (or keeps them as prefix cache). Prompts of at most
+``local_prefill_max_tokens`` tokens skip the prefill worker: prefilled here, as in rung 3.
 
 The two workers run at their own pace: rank 0 sends a command, keeps decoding, and reads the
 reply whenever it has arrived (then sends the next command); the prefill worker answers each

@@ -97,7 +97,7 @@ class SpeculativeEngine(PagedEngine):
         kept = self._until_stop(seq, kept, n_before)
         accepted = next((i for i, (a, b) in enumerate(zip(kept, guesses)) if a != b),
                         min(len(kept), len(guesses)))
-        if self.observers:
+        if self.observers.wants("verified"):
             self.observers.emit("verified", seq.request.request_id,
                                 Verification(n_before, tuple(guesses), tuple(kept), accepted))
         self._count(seq.request, SpecStats(1, len(guesses), accepted, len(kept)))
