@@ -81,9 +81,11 @@ bench-disagg: setup
 bench-full: setup
 	$(BIN)/python -m minillm bench
 
-# Where a decode step's time goes, at 1-256 running sequences (torch.profiler, per component).
+# Where a decode step's time goes, at 1-256 running sequences (torch.profiler, per component),
+# in fp32 and bf16 side by side; then what bf16 costs in accuracy (KL, perplexity, greedy).
 profile: setup
-	$(BIN)/python -m minillm.profile_step
+	$(BIN)/python -m minillm.profile_step --dtype float32,bfloat16
+	$(BIN)/python -m minillm.dtype_accuracy --json figures/dtype_accuracy.json
 
 figures: setup
 	$(BIN)/python -m minillm.viz.figures

@@ -1,15 +1,30 @@
 """minillm: an LLM inference engine built up in steps, from a naive loop to paged attention.
 
 Start with ``LLM`` and ``SamplingParams`` (as in vLLM); the steps live in ``minillm.engines``.
+
+The names below load on first use (PEP 562): ``import minillm`` imports no torch, so
+``python -m minillm`` handles Ctrl-C and SIGTERM from its first line on (``__main__.py``), even
+while torch is still loading.
 """
-# Triton picks native kernels or its CPU interpreter when it is first imported, and transformers
-# imports it early (in load_model): without CUDA, choose the interpreter now, before that happens.
-from .core.attention import choose_triton_mode
+from __future__ import annotations
 
-choose_triton_mode()
-from .llm import LLM
-from .models import load_model
-from .request import FinishReason, Request, RequestError, RequestOutput, SamplingParams
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "Request", "RequestOutput", "RequestError", "FinishReason",
-           "load_model"]
+# public name -> the module that defines it
+_EXPORTS = {"LLM": ".llm", "load_model": ".models", "SamplingParams": ".request",
+            "Request": ".request", "RequestOutput": ".request", "RequestError": ".request",
+            "FinishReason": ".request"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'minillm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value     # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import errno
-import json
 import os
+import signal
 import sys
-import tempfile
-from dataclasses import dataclass
+import threading
 
-from .engines import ENGINES, all_options, options_from, resolve
+from .jsonl import Line, output_row, read_lines, write_rows
+
+# Only the standard library above (jsonl.py imports no more): the engines and torch (~2 s) load
+# inside ``main``, after it has taken over Ctrl-C, SIGTERM and SIGHUP, so a signal at any moment
+# ends the way it should.
 
 GENERATE_HELP = """\
 Generate for every non-blank line of a UTF-8 JSONL file (a leading BOM is ignored): an object with
@@ -20,21 +22,63 @@ input line, in order: a result, or {"id", "error"}; it is replaced atomically, n
 half-written. Exit status: 0 all ok, 1 some lines failed (also when the engine itself fails
 mid-run, e.g. a pipeline worker dies: the lines that finished are kept, the others get an error
 naming the cause), 2 a problem found before generating (unreadable --prompts, unwritable --out,
-bad model or engine options), 130 interrupted (Ctrl-C): the lines that finished are kept, the
-others get an "interrupted" error."""
+bad model or engine options), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 129 hung up
+(SIGHUP): the lines that finished are kept, the others get an "interrupted" error. An "id" is
+echoed as given when it is a string or an integer; any other id (NaN, Infinity, 1e999, ...) makes
+that line an error naming it, so --out is always valid JSON."""
 
-# JSONL fields a generate line may carry, and their types
-LINE_FIELDS = {"id": (str, int), "messages": list, "prompt": str, "prompt_token_ids": list,
-               "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
-               "top_k": int, "seed": int, "n": int, "beam_width": int, "priority": int,
-               "ignore_eos": bool}
-PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "beam_width",
-                "ignore_eos")
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C's KeyboardInterrupt would be: every path that keeps
+    finished lines on Ctrl-C (the engine aborts what is in flight) keeps them on these too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def take_signals() -> dict:
+    """SIGTERM and SIGHUP (where the platform has them) end the run as Ctrl-C does. Python's
+    default for both is to die at once, writing nothing (``--out`` lost). Returns the handlers
+    they replace (``main`` puts them back: it is also called in-process, by tests and notebooks).
+    Signal handlers can only be set from the main thread: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+    signums = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    return {s: signal.signal(s, handler) for s in signums}
+
+
+def exit_status(interrupt: KeyboardInterrupt) -> tuple[str, int]:
+    """How an interrupted run is reported: its word and exit status (128 + the signal, as a shell
+    reports a process a signal ended)."""
+    if isinstance(interrupt, Interrupted):
+        return f"terminated ({interrupt})", 128 + interrupt.signum
+    return "interrupted", 130
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, the dtype it computes in and the threads it computes on (generate, serve and
+    bench alike)."""
+    from .models import DEFAULT_MODEL, DTYPE_NAMES
+
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="what the model computes in (default auto: bfloat16 where the device "
+                        "computes it natively -- a CPU with AMX-BF16 or AVX512-BF16, a GPU -- "
+                        "else float32; float32 gives Hugging Face's fp32 tokens)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, one per core); on a machine whose "
+                        "cores other jobs use, fewer threads than cores degrade far less")
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """One flag per option of any engine (``--block-size`` for ``block_size``, plus the aliases
     and help its config field's metadata gives, ``minillm/core/config.py``)."""
+    from .engines import all_options
+
     g = p.add_argument_group("engine options (from the engines' config dataclasses)")
     for name, opt in all_options().items():
         if opt.type is bool:
@@ -43,141 +87,30 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
             g.add_argument(*opt.flags, dest=name, type=opt.type, help=opt.help)
 
 
-# Each engine option's help, as the CLI shows it (generated from the config fields' metadata)
-OPTION_HELP = {name: opt.help for name, opt in all_options().items()}
+def option_help() -> dict[str, str]:
+    """Each engine option's help, as the CLI shows it (from the config fields' metadata)."""
+    from .engines import all_options
 
-
-@dataclass
-class Line:
-    """One non-blank input line: its id, and either an error or what to generate."""
-
-    lineno: int
-    id: object
-    error: str | None = None
-    spec: tuple | None = None   # (prompt, SamplingParams kwargs, extras)
-
-    @property
-    def request_id(self) -> str:
-        return f"line-{self.lineno}"
-
-
-def load_json(lineno: int, raw: bytes):
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        why = f"not valid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
-    except json.JSONDecodeError as e:
-        why = f"invalid JSON ({e.msg})"
-    except RecursionError:
-        why = "invalid JSON (nested too deeply)"
-    except ValueError as e:   # e.g. an integer literal too long to convert
-        why = f"invalid JSON ({e})"
-    raise ValueError(f"line {lineno}: {why}")
-
-
-def parse_line(lineno: int, obj, defaults: dict) -> tuple[object, dict, dict]:
-    """A decoded JSONL line -> (prompt, SamplingParams kwargs, extras); ValueError says why not."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"line {lineno}: expected a JSON object")
-    unknown = sorted(set(obj) - set(LINE_FIELDS))
-    if unknown:
-        raise ValueError(f"line {lineno}: unknown field(s) {', '.join(unknown)}")
-    for key, value in obj.items():
-        typ = LINE_FIELDS[key]
-        if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
-            raise ValueError(f"line {lineno}: field {key!r} has the wrong type "
-                             f"({type(value).__name__})")
-    sources = [k for k in ("messages", "prompt", "prompt_token_ids") if k in obj]
-    if len(sources) != 1:
-        raise ValueError(f"line {lineno}: needs exactly one of messages, prompt, prompt_token_ids")
-    params = {**defaults, **{k: obj[k] for k in PARAM_FIELDS if k in obj}}
-    return {sources[0]: obj[sources[0]]}, params, {"priority": obj.get("priority", 0)}
-
-
-def read_lines(path: str, defaults: dict) -> list[Line]:
-    """Parse each non-blank line of the JSONL file ``path`` (OSError if it cannot be read); a bad
-    line (not UTF-8, not JSON, wrong fields) gets its error. A leading UTF-8 BOM is dropped."""
-    with open(path, "rb") as f:
-        data = f.read().removeprefix(b"\xef\xbb\xbf")
-    lines = []
-    for lineno, raw in enumerate(data.splitlines(), 1):
-        if not raw.decode("utf-8", "replace").strip():
-            continue
-        line = Line(lineno, lineno)
-        try:
-            obj = load_json(lineno, raw)
-            line.id = obj.get("id", lineno) if isinstance(obj, dict) else lineno
-            line.spec = parse_line(lineno, obj, defaults)
-        except ValueError as e:
-            line.error = str(e)
-        lines.append(line)
-    return lines
+    return {name: opt.help for name, opt in all_options().items()}
 
 
 def make_requests(llm, lines: list[Line]) -> list:
     """A Request per parsed line; a line whose sampling parameters are invalid gets its error."""
+    from .checks import check_field
     from .request import SamplingParams
 
     requests = []
     for line in (line for line in lines if not line.error):
         prompt, params, extra = line.spec
         try:
+            priority = check_field("priority", extra["priority"])
             req = llm.make_requests([prompt], [SamplingParams(**params)])[0]
         except ValueError as e:
             line.error = f"line {line.lineno}: {e}"
             continue
-        req.request_id, req.priority = line.request_id, extra["priority"]
+        req.request_id, req.priority = line.request_id, priority
         requests.append(req)
     return requests
-
-
-def output_row(line: Line, out, unfinished: str = "interrupted before it finished") -> dict:
-    """``line``'s output row: its result, or its error; ``out`` is None for a line whose request
-    never finished, which gets the error ``unfinished`` (why the run stopped)."""
-    if line.error:
-        return {"id": line.id, "error": line.error}
-    if out is None:
-        return {"id": line.id, "error": f"line {line.lineno}: {unfinished}"}
-    if out.error:   # engine errors start with the request id, "line-N: "
-        return {"id": line.id, "error": f"line {line.lineno}: "
-                                        f"{out.error.removeprefix(line.request_id + ': ')}"}
-    row = {"id": line.id, "text": out.text, "token_ids": out.token_ids,
-           "finish_reason": out.finish_reason.value, "ttft_s": out.ttft_s,
-           "latency_s": out.latency_s}
-    if len(out.samples) > 1:
-        row["samples"] = out.samples
-    return row
-
-
-def write_rows(path: str, rows, check_only: bool = False) -> None:
-    """Write JSONL rows atomically: a temp file beside ``path`` (a symlink's target), renamed onto
-    it once complete; a device or pipe (``/dev/null``) is written in place. ``check_only``: just
-    create and remove that temp file, so an OSError says now, before any work, that we can't."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "Is a directory")
-    if os.path.exists(path) and not os.path.isfile(path):
-        if not os.access(path, os.W_OK):
-            raise PermissionError(errno.EACCES, "Permission denied")
-        if not check_only:   # (opening a pipe would wait for its reader)
-            with open(path, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-        return
-    path = os.path.realpath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-            f.flush()
-            os.fsync(f.fileno())
-        if not check_only:
-            umask = os.umask(0o022)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)   # mkstemp made it 0600: give it a new file's mode
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def fail(message: str) -> int:
@@ -186,6 +119,8 @@ def fail(message: str) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .engines import options_from, resolve
+
     options = options_from(args)
     try:
         spec = resolve(args.engine, options)[0]
@@ -194,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if spec.worker is not None and int(os.environ.get("RANK", 0)) > 0:
         # Under torchrun (rung 7): ranks 1..N-1 serve their pipeline stage; rank 0 (below) reads
         # the prompts, schedules and writes --out.
-        return spec.load_worker()(args.model, **options)
+        return spec.load_worker()(args.model, dtype=args.dtype, **options)
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                                   ("seed", args.seed)) if v is not None}
     try:
@@ -208,30 +143,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from .llm import LLM
     try:
-        llm = LLM(args.model, engine=args.engine, **options)
+        llm = LLM(args.model, engine=args.engine, dtype=args.dtype, threads=args.threads,
+                  **options)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
-    requests, outputs, metrics, failure = make_requests(llm, lines), {}, None, None
-    # If the run stops early -- Ctrl-C, or the engine fails (a pipeline worker dies, a bug) --
-    # the engine has aborted what was in flight: keep the outputs that finished, and give every
-    # other line an error saying why, instead of a traceback and no --out at all.
+    outputs, metrics, failure, interrupt = {}, None, None, None
+    # If the run stops early -- Ctrl-C, SIGTERM/SIGHUP, or the engine fails (a pipeline worker
+    # dies, a bug) -- the engine has aborted what was in flight: keep the outputs that finished,
+    # and give every other line an error saying why, instead of a traceback and no --out at all.
     try:
+        requests = make_requests(llm, lines)
         metrics = llm.run(requests, progress=not args.quiet,
                           on_output=lambda out: outputs.__setitem__(out.request_id, out)).metrics
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as e:
+        interrupt = e
     except Exception as e:
         failure = " ".join(f"{type(e).__name__}: {e}".split())   # one line, whatever e says
     finally:
         close_engine(llm)
+    word = exit_status(interrupt)[0] if interrupt is not None else "interrupted"
     unfinished = f"not finished: the run stopped ({failure})" if failure else \
-        "interrupted before it finished"
+        f"{word} before it finished"
     rows = [output_row(line, outputs.get(line.request_id), unfinished) for line in lines]
     try:
         write_rows(args.out, rows)
     except OSError as e:
         return fail(f"cannot write --out {args.out}: {e.strerror or e}")
-    return report(args.out, rows, len(requests) - len(outputs), metrics, failure)
+    return report(args.out, rows, sum(not line.error for line in lines) - len(outputs), metrics,
+                  failure, interrupt)
 
 
 def close_engine(llm) -> None:
@@ -241,7 +180,8 @@ def close_engine(llm) -> None:
         close()
 
 
-def report(out: str, rows: list[dict], unfinished: int, metrics, failure: str | None) -> int:
+def report(out: str, rows: list[dict], unfinished: int, metrics, failure: str | None,
+           interrupt: KeyboardInterrupt | None = None) -> int:
     """The one stderr line of a generate run, and its exit status."""
     ok = sum("error" not in row for row in rows)
     if failure is not None:
@@ -249,9 +189,9 @@ def report(out: str, rows: list[dict], unfinished: int, metrics, failure: str | 
               file=sys.stderr)
         return 1
     if metrics is None:
-        print(f"interrupted: {ok}/{len(rows)} ok, {unfinished} unfinished -> {out}",
-              file=sys.stderr)
-        return 130
+        word, status = exit_status(interrupt or KeyboardInterrupt())
+        print(f"{word}: {ok}/{len(rows)} ok, {unfinished} unfinished -> {out}", file=sys.stderr)
+        return status
     print(f"{ok}/{len(rows)} ok, {metrics.output_tokens} tokens in {metrics.duration_s:.1f}s "
           f"({metrics.output_tok_s:.1f} tok/s) -> {out}", file=sys.stderr)
     return 1 if ok < len(rows) else 0
@@ -272,19 +212,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .engines import options_from
     from .serve.cli import main as serve_main
 
     return serve_main(args, options_from(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .engines import ENGINES
+
     p = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate for every line of a JSONL file",
                        description=GENERATE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("--engine", default="paged", choices=ENGINES)
-    g.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_args(g)
     g.add_argument("--prompts", required=True, help="input JSONL")
     g.add_argument("--out", required=True, help="output JSONL (same order; replaced atomically)")
     g.add_argument("--max-tokens", type=int)
@@ -296,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run engines side by side on one workload")
     from .bench import add_bench_args
     add_bench_args(b)
+    add_model_args(b)
     from .serve.loadgen import add_serve_bench_args
     add_serve_bench_args(b)
     add_engine_options(b)
@@ -304,18 +248,27 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible server with a live dashboard",
                        description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(s)
+    add_model_args(s)
     add_engine_options(s)
     s.set_defaults(func=cmd_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The CLI. From its first line on, Ctrl-C, SIGTERM and SIGHUP end it with one line on stderr
+    and 130 / 143 / 129 (while torch loads, the parser is built or --out is written too); during
+    generation they keep the finished lines (``cmd_generate``)."""
+    previous = take_signals()
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except KeyboardInterrupt:   # Ctrl-C outside generation (loading the model, writing --out)
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:   # outside generation (imports, loading the model, --out)
+        word, status = exit_status(e)
+        print(f"error: {word}", file=sys.stderr)
+        return status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

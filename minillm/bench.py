@@ -1,7 +1,6 @@
 """The side-by-side benchmark: every engine on the same workload, in one process, one table.
 
-    python -m minillm bench --quick                       # what `make bench` runs
-    python -m minillm bench --engines static,paged --requests 200 --rate 4
+    python -m minillm bench --quick      # what `make bench` runs (--dtype auto, as generate/serve)
 
 Besides the main table it runs the experiments (``--experiments``): prefix caching with a shared
 system prompt, n = 4 parallel sampling vs four independent requests, how many requests fit one KV
@@ -38,7 +37,6 @@ SPEC_ENGINES = ("paged", "paged+ngram", "paged+draft")
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                    help=f"comma-separated, from: {', '.join(ALL_ENGINES)}")
-    p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--requests", type=int, default=None, help="workload size (default 256, quick 128)")
     p.add_argument("--naive-requests", type=int, default=None,
                    help="naive engines serve one request at a time: run them on the first N "
@@ -305,6 +303,7 @@ def format_spec_table(rows: list[dict]) -> str:
 
 # --- entry point ---------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
+    from .llm import check_threads
     from .models import load_model
     from .workload import CHAT_MIX, make_workload
 
@@ -317,7 +316,8 @@ def main(args: argparse.Namespace) -> int:
     n = args.requests or (128 if args.quick else 256)
     n_naive = args.naive_requests or (6 if args.quick else 8)
     torch.manual_seed(args.seed)
-    model = load_model(args.model)
+    torch.set_num_threads(check_threads(args.threads or torch.get_num_threads()))
+    model = load_model(args.model, dtype=args.dtype)
     items = make_workload(n, args.seed, rate=args.rate,
                           categories=None if args.long_prompts else CHAT_MIX)
     print(f"workload: {n} requests ({n_naive} for naive engines), "
@@ -326,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
     rows = run_table(model, engines, items, items[:n_naive], options)
     print()
     print(format_table(rows))
-    results = {"model": args.model, "requests": n, "naive_requests": n_naive, "rate": args.rate,
+    results = {"model": args.model, "dtype": str(model.dtype)[6:], "requests": n, "naive_requests": n_naive, "rate": args.rate,
                "seed": args.seed, "quick": args.quick, "torch_threads": torch.get_num_threads(),
                "table": rows, "experiments": {}}
     exps = [e for e in args.experiments.split(",") if e in EXPERIMENTS]

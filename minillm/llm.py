@@ -10,9 +10,12 @@ import itertools
 import numbers
 from typing import Sequence, Union
 
+import torch
+
+from .chat import encode_chat
 from .engines import ENGINES, RunResult, create_engine
 from .engines.base import OnOutput, OnStep
-from .models import DEFAULT_MODEL, LoadedModel, load_model
+from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_dtype
 from .request import Request, RequestError, RequestOutput, SamplingParams
 
 # A prompt is raw text, a chat (list of {"role", "content"} messages), a list of token ids, or a
@@ -22,12 +25,24 @@ Prompt = Union[str, list, dict]
 
 class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, engine: str = "paged",
-                 device: str | None = None, **engine_options):
+                 device: str | None = None, dtype: str | torch.dtype | None = None,
+                 threads: int | None = None, **engine_options):
         """``engine_options``: the engine's options (its config fields, flat); the registry
-        routes ``paged`` with ``speculative=`` or ``pipeline_parallel_size=`` to rung 6 or 7."""
+        routes ``paged`` with ``speculative=`` or ``pipeline_parallel_size=`` to rung 6 or 7.
+        ``dtype`` (a model name only): ``auto``, ``float32``, ``bfloat16``, ``float16``
+        (``models.resolve_dtype``; by default fp32 on a CPU, where tokens equal HF's fp32 ones).
+        ``threads``: torch's intra-op threads for this process (``torch.set_num_threads``)."""
         if engine not in ENGINES:   # (before the model loads)
             raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
-        self.model = model if isinstance(model, LoadedModel) else load_model(model, device)
+        if threads is not None:
+            torch.set_num_threads(check_threads(threads))
+        if isinstance(model, LoadedModel):
+            if dtype is not None and resolve_dtype(dtype, model.device) != model.dtype:
+                raise ValueError(f"dtype {dtype!r} asked for a model loaded in {model.dtype}: "
+                                 "pass dtype to load_model instead")
+            self.model = model
+        else:
+            self.model = load_model(model, device, dtype)
         self.tokenizer = self.model.tokenizer
         try:
             self.engine = create_engine(engine, self.model, **engine_options)
@@ -37,7 +52,8 @@ class LLM:
 
     # --- prompts -> token ids ----------------------------------------------------------------------
     def encode_chat(self, messages) -> list[int]:
-        """Apply the model's chat template (adds the assistant turn header)."""
+        """Apply the model's chat template (adds the assistant turn header); what the messages
+        say is tokenized as text, never as control tokens (``chat.py``)."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, m in enumerate(messages):
@@ -46,12 +62,7 @@ class LLM:
                 raise RequestError(f"messages[{i}] must be a dict with string 'role' and "
                                    f"'content', got {m!r:.80}")
             check_text(m["content"], f"messages[{i}].content")
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
-        except Exception as e:   # the template itself refused (e.g. an unknown role)
-            raise RequestError(f"the chat template rejected these messages: {e}") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return encode_chat(self.tokenizer, messages)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -124,6 +135,13 @@ def _is_one_chat(prompts) -> bool:
 
 def _is_one_id_list(prompts) -> bool:
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
+
+
+def check_threads(threads) -> int:
+    """A thread count: an integer >= 1 (``--threads``, ``LLM(threads=)``)."""
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    return int(threads)
 
 
 def check_text(text: str, what: str) -> str:

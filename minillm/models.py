@@ -15,11 +15,19 @@ reads its weights into minillm's own forward pass.
 """
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .core.attention import choose_triton_mode
+
+# Triton picks native kernels or its CPU interpreter when it is first imported, and loading a
+# transformers model class imports it: without CUDA, choose the interpreter before any load here.
+choose_triton_mode()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,21 +85,69 @@ def kv_geometry(config) -> tuple[int, int, int]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+    """``$MINILLM_CACHE``, else ``~/.cache/minillm``. An empty or blank value counts as unset:
+    ``Path("")`` is the current folder, and a 517 MB model appeared inside the project."""
+    return Path(os.environ.get("MINILLM_CACHE", "").strip() or Path.home() / ".cache" / "minillm")
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load ``name_or_path`` (a known name or a local HF directory) ready for inference.
+# --dtype's names (vLLM's); "auto" is resolved by ``resolve_dtype``
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("auto", *DTYPES)
 
-    fp32 is the default on CPU: bf16 matmuls are hundreds of times slower on most CPUs.
-    """
+
+@functools.cache
+def native_bf16(device_type: str = "cpu") -> bool:
+    """Does this device compute bf16 natively? CUDA: what torch says. A CPU: its ISA has AMX-BF16
+    tiles or AVX512-BF16 dot products (read from CPUID by torch, never by timing a trial run);
+    without them oneDNN emulates bf16 and it is slower than fp32."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type != "cpu":
+        return False
+    cpu = torch.cpu
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+@functools.cache
+def say_once(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """A ``--dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``, or a torch dtype) for
+    ``device``. ``auto``: bf16 where the device computes it natively (``native_bf16``), else fp32,
+    saying so in one line. None: fp32 on a CPU, bf16 on a GPU -- the library's default, under
+    which every engine's tokens equal Hugging Face's fp32 tokens on a CPU (the tests rely on it)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values() and dtype != torch.float64:
+            raise ValueError(f"dtype {dtype} is not supported: choose one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype == "auto":
+        if native_bf16(device.type):
+            return torch.bfloat16
+        say_once(f"minillm: dtype auto: this {device.type} has no native bf16 (AMX-BF16 or "
+                 "AVX512-BF16 on a CPU): computing in float32")
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
+    return DTYPES[dtype]
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load ``name_or_path`` (a known name or a local HF directory) ready for inference, in
+    ``dtype`` (``resolve_dtype``: by default fp32 on a CPU, bf16 on a GPU; ``"auto"``: bf16 where
+    the device computes it natively -- a CPU with AMX-BF16 or AVX512-BF16 does, and then runs the
+    linear layers several times faster than in fp32, ``make profile``)."""
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    dtype = resolve_dtype(dtype, device)
     if name_or_path == "tiny-llama":
         model, tok = _tiny_llama()
     elif name_or_path == DEFAULT_MODEL:
@@ -200,11 +256,12 @@ class ByteTokenizer:
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
     offset = 3
     chat_template = None
+    added_tokens_decoder: dict = {}     # no text encodes to a special id (HF's attribute)
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, **_) -> list[int]:
         ids = [b + self.offset for b in text.encode("utf-8")]
         return [self.bos_token_id] + ids if add_special_tokens else ids
 

@@ -9,8 +9,9 @@ to split the step into components: the linear layers, attention (everything insi
 
 Beside each row, the floor: the same model's linear layers alone on N rows, through the fastest
 linear kernel here (oneDNN on weights reordered once, as ``torch.compile(freezing=True)`` would
-run them; core/linear.py), and how close that chain comes to this CPU's fp32 matmul peak (a large
-square GEMM through the same kernel). "ratio" = step time / that chain. Speed is a ratio measured
+run them; core/linear.py), and how close that chain comes to this CPU's matmul peak in the same
+dtype (a large square GEMM through the same kernel). "ratio" = step time / that chain. ``--dtype
+float32,bfloat16`` alternates the model's dtypes row by row (bf16: AMX / AVX512-BF16 units). Speed is a ratio measured
 in one run: the machine is noisy; targets live here and in ``make bench``, never in timed tests.
 """
 from __future__ import annotations
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="how the KV pool stores K/V, comma-separated: auto, float16, bfloat16, "
                         "int8, fp8 (rung 9); several alternate row by row in one run")
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="auto",
+                   help="the model's dtype(s), comma-separated: auto, float32, bfloat16 (default "
+                        "auto: bf16 where this CPU computes it natively); several alternate")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one per core)")
     args = p.parse_args(argv)
@@ -146,20 +150,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model)
+    setups = [dtype_setup(load_model(args.model, dtype=d)) for d in args.dtype.split(",")]
+    model = setups[0][0]
     backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
-    fastest = get_linear_kernel(None, model.device, model.dtype)
-    linears = (args.linear or fastest.name).split(",")
-    peak = matmul_gflops(fastest)
-    floor_net = PagedLlama(model.hf_model, fastest)
     print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s); "
-          f"fp32 matmul peak {peak:.0f} GFLOP/s ({fastest.name}, 2048^3)\n")
-    head = f"{'rows':>5} {'attention':>9} {'linear':>6} {'kv':>8} {'ms/step':>8} {'tok/s':>7} " \
-        f"{'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
+          + "; ".join(f"{str(m.dtype)[6:]} matmul peak {peak:.0f} GFLOP/s ({k.name}, 2048^3)"
+                      for m, k, peak, _ in setups) + "\n")
+    head = f"{'rows':>5} {'dtype':>8} {'attention':>9} {'linear':>6} {'kv':>8} {'ms/step':>8} " \
+        f"{'tok/s':>7} {'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
         "  ".join(f"{c:>13}" for c in COMPONENTS)
     print(head)
     for rows in (int(r) for r in args.rows.split(",")):
-        for backend in backends:
+        for (model, fastest, peak, floor_net), backend in \
+                ((s, b) for s in setups for b in backends):
+            linears = (args.linear or fastest.name).split(",")
             for linear, kv in ((a, b) for a in linears for b in args.kv_cache_dtype.split(",")):
                 llm = steady_engine(model, rows, args.context, backend, linear, kv)
                 ms = statistics.median(time_steps(llm.engine, args.steps))
@@ -167,11 +171,20 @@ def main(argv: list[str] | None = None) -> int:
                 floor, gflops = linear_floor_ms(floor_net, rows)
                 shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%"
                                    for c in COMPONENTS)
-                print(f"{rows:>5} {llm.engine.backend.name:>9} {linear:>6} {kv:>8} {ms:>8.1f} "
-                      f"{rows * 1000 / ms:>7.0f} {floor:>7.1f}ms {ms / floor:>6.2f} "
-                      f"{gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}", flush=True)
+                print(f"{rows:>5} {str(model.dtype)[6:]:>8} {llm.engine.backend.name:>9} "
+                      f"{linear:>6} {kv:>8} {ms:>8.1f} {rows * 1000 / ms:>7.0f} {floor:>7.1f}ms "
+                      f"{ms / floor:>6.2f} {gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}",
+                      flush=True)
                 del llm
     return 0
+
+
+def dtype_setup(model) -> tuple:
+    """(model, its fastest linear kernel, that kernel's matmul peak in the model's dtype, the
+    model's layers on that kernel: the floor's chain)."""
+    fastest = get_linear_kernel(None, model.device, model.dtype)
+    peak = matmul_gflops(fastest, dtype=model.dtype)
+    return model, fastest, peak, PagedLlama(model.hf_model, fastest)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
+
+from .checks import check_field, check_float
 
 
 class FinishReason(str, Enum):
@@ -27,26 +27,6 @@ class RequestError(ValueError):
 MIN_TEMPERATURE = 1e-5
 
 
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """``value`` as a plain int, or a ValueError that names the field and the value.
-
-    Integer-like values (numpy ints) are accepted; bools, floats and strings are not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_float(name: str, value) -> float:
-    """``value`` as a finite float, or a ValueError that names the field and the value."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. Temperature 0 means greedy (argmax), as in vLLM.
@@ -55,9 +35,11 @@ class SamplingParams:
     only on (seed, i), never on which other requests happened to share the batch.
 
     Every field is checked, by type and by value, when the object is made: a bad one raises a
-    ``ValueError`` naming the field, so a mistake never surfaces mid-step inside the engine. The
-    object is frozen, so it stays valid: to change a field, make a new one
-    (``dataclasses.replace(params, seed=1)``, which checks again).
+    ``ValueError`` naming the field and the value, so a mistake never surfaces mid-step inside the
+    engine. The object is frozen, so it stays valid: to change a field, make a new one
+    (``dataclasses.replace(params, seed=1)``, which checks again). Integer ranges (inclusive,
+    ``FIELD_RANGES``): ``max_tokens`` 1..2**31-1, ``top_k`` 0..2**31-1, ``seed`` -2**63..2**63-1,
+    ``n`` and ``beam_width`` 1..2**31-1, each of ``stop_token_ids`` 0..2**31-1.
     """
 
     max_tokens: int = 64
@@ -71,7 +53,7 @@ class SamplingParams:
     beam_width: int = 1      # beam search (rung 3); 1 = off
 
     def __post_init__(self):
-        self._set("max_tokens", check_int("max_tokens", self.max_tokens, 1))
+        self._set("max_tokens", check_field("max_tokens", self.max_tokens))
         self._set("temperature", check_float("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -80,14 +62,14 @@ class SamplingParams:
         self._set("top_p", check_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self._set("top_k", check_int("top_k", self.top_k, 0))
+        self._set("top_k", check_field("top_k", self.top_k))
         if self.seed is not None:
-            self._set("seed", check_int("seed", self.seed))
+            self._set("seed", check_field("seed", self.seed))
         self._set("stop_token_ids", self._check_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        self._set("n", check_int("n", self.n, 1))
-        self._set("beam_width", check_int("beam_width", self.beam_width, 1))
+        self._set("n", check_field("n", self.n))
+        self._set("beam_width", check_field("beam_width", self.beam_width))
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"n={self.n} and beam_width={self.beam_width}: choose parallel "
                              "sampling (n) or beam search (beam_width), not both")
@@ -103,7 +85,7 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r} "
                              f"({type(ids).__name__})")
-        return tuple(check_int("stop_token_ids[]", t, 0) for t in ids)
+        return tuple(check_field("stop_token_ids[]", t) for t in ids)
 
     @classmethod
     def coerce(cls, params) -> "SamplingParams":
@@ -175,13 +157,16 @@ class SampleOutput:
 @dataclass
 class Request:
     """One prompt in flight. Generated tokens land only through ``commit`` (every engine calls
-    it), which also stamps the first-token time and decides when a sample stops."""
+    it), which also stamps the first-token time and decides when a sample stops.
+
+    ``priority`` is an integer in -2**31..2**31-1 (``FIELD_RANGES``), checked when the request is
+    made and again by the scheduler on admission (a caller may assign it afterwards)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     arrival_offset_s: float = 0.0        # when the workload says it arrives, after the run starts
-    priority: int = 0                    # lower runs first under the "priority" policy
+    priority: int = 0                    # lower runs first ("priority", "score" policies)
     outputs: list[SampleOutput] = field(default_factory=lambda: [SampleOutput(0)])
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -199,7 +184,7 @@ class Request:
             raise ValueError(f"request_id must be a string, got {self.request_id!r}")
         if not isinstance(self.params, SamplingParams):
             self.params = SamplingParams.coerce(self.params)
-        self.priority = check_int("priority", self.priority)
+        self.priority = check_field("priority", self.priority)
         self.arrival_offset_s = check_float("arrival_offset_s", self.arrival_offset_s)
         if self.arrival_offset_s < 0:
             raise ValueError(f"arrival_offset_s must be >= 0, got {self.arrival_offset_s!r}")

@@ -164,7 +164,7 @@ def test_generate_unwritable_out_fails_before_loading(tmp_path, capsys, monkeypa
 
 
 def test_out_is_never_half_written(tmp_path, monkeypatch):
-    from minillm.__main__ import write_rows
+    from minillm.jsonl import write_rows
     from minillm.llm import LLM
 
     dst = tmp_path / "out.jsonl"
@@ -234,8 +234,16 @@ def test_generate_interrupt_keeps_finished_lines(tmp_path, capsys, monkeypatch):
     assert err.startswith("interrupted: 2/6 ok, 3 unfinished") and err.count("\n") == 1
 
 
-def test_generate_ctrl_c_for_real(tmp_path):
-    """SIGINT to a running ``generate``: exit 130, every line answered, no traceback."""
+# (signal, exit status, the word on stderr and in unfinished lines): issue 38 -- SIGTERM and SIGHUP
+# used to kill generate at once, writing no --out at all
+SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)"),
+           (signal.SIGHUP, 129, "terminated (SIGHUP)")]
+
+
+@pytest.mark.parametrize("signum,status,word", SIGNALS, ids=lambda v: str(v))
+def test_generate_signal_for_real(tmp_path, signum, status, word):
+    """Ctrl-C, SIGTERM or SIGHUP to a running ``generate``: its exit status, every line answered
+    (finished ones kept, the others marked), no traceback."""
     n, max_tokens = 100, 150
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": "go", "max_tokens": max_tokens,
@@ -253,21 +261,86 @@ def test_generate_ctrl_c_for_real(tmp_path):
         while time.monotonic() < deadline and proc.poll() is None \
                 and not re.search(rf"\b[1-9]\d*/{n}\b", "".join(err)):
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         code = proc.wait(timeout=60)
     finally:
         proc.kill()
     reader.join(timeout=10)
     err = "".join(err)
-    assert code == 130, err[-2000:]
-    assert "Traceback" not in err and "interrupted: " in err
+    assert code == status, err[-2000:]
+    assert "Traceback" not in err and f"{word}: " in err
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [o["id"] for o in out] == list(range(n))
     done = [o for o in out if "error" not in o]
     assert all(len(o["token_ids"]) == max_tokens for o in done)
-    assert all(o["error"] == f"line {o['id'] + 1}: interrupted before it finished"
+    assert all(o["error"] == f"line {o['id'] + 1}: {word} before it finished"
                for o in out if "error" in o)
     assert len(done) < n   # 15,000 decode steps, one request at a time, take a while
+
+
+# Sends the process SIGINT (or another signal) the moment an import of ``torch`` starts: the
+# signal lands while the CLI is still loading, deterministically (no race with a timer).
+SIGNAL_DURING_IMPORT = """
+import os, runpy, signal, sys
+SIGNUM = int(sys.argv[1])
+class Hook:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), SIGNUM)
+        return None
+sys.argv = ["minillm", "generate", "--model", "tiny-llama", "--prompts", sys.argv[2],
+            "--out", sys.argv[3]]
+sys.meta_path.insert(0, Hook())
+runpy.run_module("minillm", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("signum,status,word", SIGNALS, ids=lambda v: str(v))
+def test_generate_signal_while_importing(tmp_path, signum, status, word):
+    """A signal while torch is still importing (the first second of the CLI) is one line on
+    stderr and its exit status, not a traceback (issue 38: Ctrl-C then exited -2)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_DURING_IMPORT, str(int(signum)), str(src),
+                           str(tmp_path / "out.jsonl")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                        signal.SIG_DFL))
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {word}"
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_importing_minillm_loads_no_torch():
+    """``import minillm`` is light (its names load on first use), so ``python -m minillm`` owns
+    its signals before torch starts loading; the names still work."""
+    code = ("import sys, minillm; assert 'torch' not in sys.modules, 'torch imported'; "
+            "import minillm.__main__; assert 'torch' not in sys.modules, 'torch by __main__'; "
+            "from minillm import LLM, SamplingParams; print(LLM.__name__, SamplingParams().n)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split() == ["LLM", "1"], proc.stderr[-2000:]
+
+
+def test_generate_ids_that_json_cannot_write(tmp_path, capsys):
+    """``{"id": NaN}`` or ``1e999`` used to be echoed into --out as NaN / Infinity (not JSON):
+    such a line is an error naming its id, under its line number; the others are served."""
+    data = b"\n".join([b'{"id": NaN, "prompt": "a"}', b'{"id": 1e999, "prompt": "b"}',
+                       b'{"id": -Infinity, "prompt": "c"}', b'{"id": [1], "prompt": "d"}',
+                       b'{"id": true, "prompt": "e"}', b'{"id": "ok", "prompt": "f"}',
+                       b'{"id": 12345678901234567890, "prompt": "g"}']) + b"\n"
+    code, dst = generate(tmp_path, data)
+    assert code == 1
+    text = dst.read_text()
+    out = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in --out"))
+           for line in text.splitlines()]
+    assert [o["id"] for o in out] == [1, 2, 3, 4, 5, "ok", 12345678901234567890]
+    for o, shown in zip(out, ["NaN", "Infinity", "-Infinity", "[1]", "true"]):
+        assert o["error"] == f"line {o['id']}: field 'id' must be a string or an integer, " \
+                             f"got {shown}"
+    assert all("token_ids" in o for o in out[5:])
+    assert capsys.readouterr().err.startswith("2/7 ok")
 
 
 # --- generate when the engine fails mid-run: finished lines kept, the others name the cause -----

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from minillm.__main__ import OPTION_HELP, build_parser
+from minillm.__main__ import build_parser, option_help
 from minillm.core.config import CacheConfig, ModelConfig, SchedulerConfig, options_of
 from minillm.engines import ENGINES, REGISTRY, all_options, create_engine, resolve
 from minillm.engines.r1_static import StaticConfig
@@ -67,18 +67,18 @@ def test_registry_options_are_the_config_fields_minus_the_fixed_ones(name):
 
 
 def test_every_flag_and_its_help_come_from_field_metadata():
-    assert set(OPTION_HELP) == set(all_options())
+    assert set(option_help()) == set(all_options())
     for spec in REGISTRY.values():
         for config in spec.load().configs:
             for name, opt in options_of(config).items():
                 field = next(f for f in dataclasses.fields(config) if f.name == opt.field)
-                assert field.metadata["help"] and field.metadata["help"] in OPTION_HELP[name]
+                assert field.metadata["help"] and field.metadata["help"] in option_help()[name]
     args = build_parser().parse_args(["generate", "--prompts", "x", "--out", "y", "--attention",
                                       "torch", "--pipeline-parallel", "3", "--speculative", "draft"])
     assert (args.attention_backend, args.pipeline_parallel_size, args.speculative) == \
         ("torch", 3, "draft")
     # one flag shared by two engines keeps both engines' help
-    assert "dynamic:" in OPTION_HELP["max_num_seqs"] and "paged:" in OPTION_HELP["max_num_seqs"]
+    assert "dynamic:" in option_help()["max_num_seqs"] and "paged:" in option_help()["max_num_seqs"]
 
 
 def test_routing_lives_in_the_registry():

@@ -35,6 +35,22 @@ def test_decode_matches_reference_and_dense(block_size, heads, kv_heads, dtype):
         assert rel_err(out, dense) <= 1e-12
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (9, 3)])
+def test_16_bit_decode_is_fp32_attention_of_the_same_numbers(heads, kv_heads, dtype):
+    """A bf16 / fp16 model's decode (--dtype): computed in fp32 on the 16-bit query and pool
+    rows (widened as read, never copied), then rounded once to the query's type."""
+    torch.manual_seed(heads)
+    kv = PagedKV(decode_lens(16), 16, kv_heads)
+    q = torch.randn(len(kv.lens), heads, kv.k_ref.shape[-1]).to(dtype)
+    k, v = kv.k_nan.to(dtype), kv.v_nan.to(dtype)
+    out = CppAttention().decode(q, k, v, kv.tables, kv.context_lens, SCALE)
+    want = TorchAttention().decode(q.float(), kv.k_ref.to(dtype).float(),
+                                   kv.v_ref.to(dtype).float(), kv.tables, kv.context_lens, SCALE)
+    assert out.dtype == dtype
+    assert rel_err(out.float(), want) <= 2 ** -7      # one 16-bit rounding of the result
+
+
 def test_bad_tables_are_errors_not_reads_outside_the_pool():
     kv = PagedKV([5, 9], 4, 2)
     q = torch.randn(2, 4, kv.k_ref.shape[-1])

@@ -50,8 +50,8 @@ MORE_WRONG = {
             "            self.free_queue[bid] = None\n            self.free_queue.move_to_end(bid, "
             "last=False)")],
     "03-scheduler": [
-        ("        self.waiting.insert(0, group)\n        self.waiting.sort(key=self.rank)",
-         "        self.waiting.append(group)\n        self.waiting.sort(key=lambda g: 0)"),
+        ("        self.waiting.insert(at, group)",      # preempted: to the back, whatever its rank
+         "        self.waiting.append(group)"),
         ("victim = self._lowest_ranked(exclude)",
          "victim = next(g for g in self.running if g not in exclude)"),
         ("        self._readopt_prompt(group)\n        for seq in group.seqs:\n            num_new",

@@ -40,6 +40,23 @@ def test_onednn_equals_f_linear(rows, bias, residual):
     assert lin.packed.is_mkldnn and not lin.weight.is_mkldnn   # the plain weight is kept
 
 
+@pytest.mark.skipif(not onednn_works(torch.bfloat16), reason="no oneDNN bf16 in this build")
+@pytest.mark.parametrize("rows", [1, 7, 130])
+@pytest.mark.parametrize("residual", [False, True])
+def test_onednn_bf16_equals_fp32_product_of_the_same_numbers(rows, residual):
+    """In bf16 oneDNN multiplies the bf16 numbers exactly and accumulates in fp32: its result is
+    the fp32 product of the same (bf16-rounded) inputs, rounded once to bf16."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 576, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    r = torch.randn(rows, 96, generator=g).bfloat16() if residual else None
+    got = Linear(w, b, OneDNNLinear())(x, residual=r)
+    want = F.linear(x.float(), w.float(), b.float()) + (r.float() if residual else 0)
+    assert got.dtype == torch.bfloat16
+    # one bf16 rounding of the result (2^-8 relative), plus the residual's own rounding
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max())
+
+
 @pytest.mark.parametrize("kernel", [TorchLinear(), pytest.param(OneDNNLinear(),
                                                                  marks=needs_onednn)])
 def test_linear_pickles_and_repacks(kernel):
@@ -55,9 +72,11 @@ def test_linear_pickles_and_repacks(kernel):
 def test_kernel_choice():
     cpu = torch.device("cpu")
     assert get_linear_kernel("torch", cpu, torch.float32).name == "torch"
-    assert get_linear_kernel(None, cpu, torch.float64).name == "torch"     # oneDNN: fp32 only
-    assert get_linear_kernel(None, cpu, torch.float32).name == \
-        ("onednn" if onednn_works() else "torch")
+    assert get_linear_kernel(None, cpu, torch.float64).name == "torch"  # oneDNN: fp32 and bf16
+    assert get_linear_kernel(None, cpu, torch.float16).name == "torch"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert get_linear_kernel(None, cpu, dtype).name == \
+            ("onednn" if onednn_works(dtype) else "torch")
     with pytest.warns(RuntimeWarning, match="linear_backend='onednn' cannot run here"):
         assert get_linear_kernel("onednn", cpu, torch.float64).name == "torch"
     with pytest.raises(ValueError, match="unknown linear_backend 'mkl'"):
@@ -73,7 +92,7 @@ def test_engine_falls_back_without_onednn(tiny, monkeypatch):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     fast = LLM(tiny, engine="paged", block_size=4)
     want = [o.token_ids for o in fast.generate(prompts, params)]
-    monkeypatch.setattr(linear_mod, "onednn_works", lambda: False)
+    monkeypatch.setattr(linear_mod, "onednn_works", lambda dtype=torch.float32: False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         default = LLM(tiny, engine="paged", block_size=4)
@@ -98,14 +117,18 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
     _, flops = profile_step.linear_chain(net, rows=5)
     assert flops == 2 * 5 * weights
     assert profile_step.main(["--model", "tiny-llama", "--rows", "1,3", "--steps", "2",
-                              "--context", "9", "--backend", "torch",
+                              "--context", "9", "--backend", "torch", "--dtype",
+                              "float32,bfloat16",
                               "--linear", "torch,onednn" if onednn_works() else "torch"]) == 0
     out = capsys.readouterr().out
-    assert "fp32 matmul peak" in out
+    assert "float32 matmul peak" in out and "bfloat16 matmul peak" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["3"])]
-    assert [r[0] for r in rows] == (["1", "1", "3", "3"] if onednn_works() else ["1", "3"])
-    assert all(r[3] == "auto" for r in rows)            # the KV cache dtype column
-    assert all(float(r[7]) > 0 for r in rows)          # the ratio column
+    per_dtype = 2 if onednn_works() else 1
+    assert [r[0] for r in rows] == ["1"] * 2 * per_dtype + ["3"] * 2 * per_dtype
+    assert [r[1] for r in rows[:2 * per_dtype]] == ["float32"] * per_dtype + \
+        ["bfloat16"] * per_dtype                        # the model's dtype column
+    assert all(r[4] == "auto" for r in rows)            # the KV cache dtype column
+    assert all(float(r[8]) > 0 for r in rows)          # the ratio column
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")

@@ -84,3 +84,16 @@ def test_converted_smollm2_is_a_plain_hf_directory(tmp_path):
         {**cfg, "quantization_config": {"quant_method": "gguf", "gguf_file": "x.gguf"}}))
     plain_hf_dir(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == cfg
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_empty_minillm_cache_is_unset(monkeypatch, tmp_path, value):
+    """Issue 38: ``MINILLM_CACHE=`` made the current folder the model cache (517 MB appeared in
+    the project). Empty or blank means unset: the home cache; a real value is taken as given."""
+    from minillm.models import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MINILLM_CACHE", value)
+    assert cache_dir() == tmp_path / ".cache" / "minillm"
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "models"))
+    assert cache_dir() == tmp_path / "models"

@@ -1,15 +1,26 @@
 """Scheduling policies (core/policy.py, notebook 08). The behaviour — urgent preemption for a full
 batch and for a full pool, the threshold, the starvation bound under ``score`` on a stream that
 starves ``priority``, no ping-pong evictions, tokens equal FCFS's — is exercise 08's grader, run
-here on the package's own code (its tests are imported below); this module adds the config and
-HTTP."""
+here on the package's own code (its tests are imported below); this module adds the config, HTTP,
+keys that stay finite for every accepted request (issue 38) and admission in O(log n) key
+computations per request, in the order a full sort gave."""
 from __future__ import annotations
 
-import pytest
+import math
+import random
 
-from minillm import LLM
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm import LLM, Request, SamplingParams
+from minillm.checks import FIELD_RANGES
+from minillm.core.block_manager import BlockManager
 from minillm.core.config import SchedulerConfig
-from minillm.core.policy import FCFS, Priority, Score, get_policy, make_policy
+from minillm.core.policy import MAX_SCORE_WEIGHT, FCFS, Priority, Score, get_policy, make_policy
+from minillm.core.scheduler import Scheduler, SchedulerOutput
+from minillm.core.sequence import Sequence, SequenceGroup
+from minillm.request import RequestError
 from minillm.lab.graders.test_08 import *  # noqa: F401,F403 - the behaviour tests (exercise 08)
 
 
@@ -65,3 +76,165 @@ def test_priority_over_http_labels_metrics_and_reaches_the_scheduler(tiny):
     assert counts == {**{str(p): 1.0 for p in range(MAX_CLASSES) if p != 3}, "3": 2.0,
                       "other": 2.0}
     assert "minillm:time_per_output_token_by_priority_seconds_bucket" in text
+
+
+# --- issue 38 item 2: no accepted request can make a policy's arithmetic fail ---------------------
+def group_of(priority=0, max_tokens=16, generated=0, arrival_index=0, arrival_step=0):
+    req = Request([1, 2], SamplingParams(max_tokens=max_tokens), priority=priority)
+    return SequenceGroup(req, [Sequence(req, [1, 2] + [3] * generated, 2)], arrival_index,
+                         arrival_step)
+
+
+def extremes(lo, hi):
+    """Any integer in [lo, hi], the ends and their neighbours most often."""
+    return st.one_of(st.sampled_from([lo, lo + 1, hi - 1, hi, max(lo, min(hi, 0))]),
+                     st.integers(lo, hi))
+
+
+WEIGHTS = st.one_of(st.sampled_from([0.0, 5e-324, 1.0, MAX_SCORE_WEIGHT]),
+                    st.floats(0.0, MAX_SCORE_WEIGHT))
+POLICY_OBJECTS = st.one_of(
+    st.just(FCFS()), st.builds(Priority, extremes(0, 2**63)),
+    st.builds(Score, WEIGHTS, WEIGHTS, WEIGHTS, st.one_of(WEIGHTS, st.just(1e308))))
+GROUPS = st.builds(group_of, extremes(*FIELD_RANGES["priority"]),
+                   extremes(*FIELD_RANGES["max_tokens"]), st.integers(0, 3),
+                   extremes(0, 2**63 - 1), extremes(0, 2**63 - 1))
+
+
+@settings(max_examples=400, deadline=None)
+@given(policy=POLICY_OBJECTS, a=GROUPS, b=GROUPS)
+def test_every_policy_ranks_the_extreme_accepted_requests(policy, a, b):
+    """key() and preempts() return for any request the checks accept (priority and max_tokens at
+    their int32 ends, steps up to 2**63) and any weights the config accepts; every key is finite,
+    so keys compare and differences never turn into inf - inf = nan."""
+    for g in (a, b):
+        key = policy.key(g)
+        assert all(math.isfinite(k) for k in key), (policy, key)
+    assert sorted([policy.key(a), policy.key(b)]) is not None
+    assert isinstance(policy.preempts(a, b), bool) and isinstance(policy.preempts(b, a), bool)
+
+
+def test_score_weights_are_bounded():
+    top = dict(score_wait_weight=MAX_SCORE_WEIGHT, score_remaining_weight=MAX_SCORE_WEIGHT,
+               score_priority_weight=MAX_SCORE_WEIGHT, score_margin=1e308)
+    policy = make_policy(SchedulerConfig(policy="score", **top))
+    lo, hi = FIELD_RANGES["priority"]
+    keys = [policy.key(group_of(p, FIELD_RANGES["max_tokens"][1], 0, 0, 2**63 - 1))
+            for p in (lo, hi)]
+    assert all(math.isfinite(k[0]) for k in keys) and keys[0] < keys[1]
+    for name in ("score_wait_weight", "score_remaining_weight", "score_priority_weight"):
+        with pytest.raises(ValueError, match=f"{name} must be <= 1e\\+09, got 10000000000.0"):
+            SchedulerConfig(**{name: 1e10})
+    with pytest.raises(ValueError, match=r"score: priority_weight must be in \[0, 1e\+09\]"):
+        Score(priority_weight=2e9)
+    with pytest.raises(ValueError, match="wait_weight must be a finite number, got inf"):
+        Score(wait_weight=math.inf)
+
+
+class Fragile:
+    """Somebody's policy with a bug: its key raises for one request."""
+
+    name = "fragile"
+
+    def key(self, group):
+        if group.request.request_id == "bad":
+            raise OverflowError("int too large to convert to float")
+        return (group.arrival_index,)
+
+    def preempts(self, candidate, victim):
+        return False
+
+
+def test_a_key_that_raises_fails_its_own_request_at_admission():
+    sched = Scheduler(BlockManager(16, 4), policy=Fragile())
+    a = sched.add(Request([1, 2], request_id="a"))
+    with pytest.raises(RequestError, match="bad: the 'fragile' policy cannot rank this request "
+                                           r"\(OverflowError: int too large"):
+        sched.add(Request([1, 2], request_id="bad"))
+    b = sched.add(Request([1, 2], request_id="b"))
+    assert sched.waiting == [a, b] and set(sched.groups) == {"a", "b"}
+    assert [g.arrival_index for g in sched.waiting] == [0, 1]
+    bad = Request([1, 2], request_id="late")
+    bad.priority = 10**400          # assigned after construction, as the CLI does
+    with pytest.raises(RequestError, match=r"late: priority must be an integer in "
+                                           r"\[-2147483648, 2147483647\], got an integer of "
+                                           r"401 digits"):
+        sched.add(bad)
+    assert sched.waiting == [a, b] and "late" not in sched.groups
+
+
+# --- issue 38 item 6: admission costs O(log n) key computations, in the order a sort gave ---------
+class Counting:
+    """``inner`` with its key() calls counted."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, inner.name, 0
+
+    def key(self, group):
+        self.calls += 1
+        return self.inner.key(group)
+
+    def preempts(self, candidate, victim):
+        return self.inner.preempts(candidate, victim)
+
+
+class ClassOnly:
+    """Priority without the arrival tie-break: equal keys, whose order the queue must keep."""
+
+    name = "class-only"
+
+    def key(self, group):
+        return (group.request.priority,)
+
+    def preempts(self, candidate, victim):
+        return False
+
+
+@pytest.mark.parametrize("inner", [ClassOnly(), Priority(), Score()], ids=lambda p: p.name)
+def test_admission_is_n_log_n_key_computations(inner):
+    n, rng = 10_000, random.Random(38)
+    policy = Counting(inner)
+    sched = Scheduler(BlockManager(16, 4), policy=policy)
+    for i in range(n):
+        sched.add(Request([1, 2, 3], SamplingParams(max_tokens=rng.randint(1, 64)),
+                          request_id=f"r{i}", priority=rng.randint(-3, 3)))
+    # re-sorting on every add computed ~n**2 / 2 keys (5e7 here); insertion ~log2(k) per add
+    assert policy.calls <= 1.5 * n * math.log2(n), policy.calls
+    arrived = sorted(sched.groups.values(), key=lambda g: g.arrival_index)
+    assert sched.waiting == sorted(arrived, key=inner.key)    # stable: ties in arrival order
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "admit", "preempt"]), st.integers(0, 2)),
+                    max_size=60))
+def test_queue_order_is_the_old_full_sorts(ops):
+    """Whatever the arrivals, admissions and preemptions, the queue is exactly what appending and
+    stable-sorting gave (an arrival after its equals), and inserting at the front and
+    stable-sorting (a preempted group before its equals)."""
+    sched = Scheduler(BlockManager(16, 4), policy=ClassOnly())
+    old: list = []
+    for i, (op, priority) in enumerate(ops):
+        if op == "add":
+            g = sched.add(Request([1, 2], request_id=f"r{i}", priority=priority))
+            old.append(g)
+            old.sort(key=ClassOnly().key)
+        elif op == "admit" and sched.waiting:
+            sched.running.append(sched.waiting.pop(0))
+            old.pop(0)
+        elif op == "preempt" and sched.running:
+            victim = sched.running[-priority % len(sched.running)]
+            sched.preempt(victim, SchedulerOutput([], [], []))
+            old.insert(0, victim)
+            old.sort(key=ClassOnly().key)
+        assert sched.waiting == old
+
+
+def test_a_preempted_group_goes_before_its_equals():
+    sched = Scheduler(BlockManager(16, 4), policy=ClassOnly())
+    first = sched.add(Request([1, 2], request_id="first", priority=1))
+    sched.running.append(sched.waiting.pop(0))
+    later = [sched.add(Request([1, 2], request_id=f"r{p}{i}", priority=p))
+             for i, p in enumerate([1, 1, 0, 2])]
+    sched.preempt(first, SchedulerOutput([], [], []))
+    assert [g.request.request_id for g in sched.waiting] == ["r02", "first", "r10", "r11", "r23"]
+    assert sched.waiting[1] is first and later[2] is sched.waiting[0]

@@ -7,12 +7,12 @@ import sys
 import pytest
 
 from minillm import LLM, FinishReason, SamplingParams
-from minillm.__main__ import OPTION_HELP, build_parser
+from minillm.__main__ import build_parser, option_help
 from minillm.engines import ENGINES, REGISTRY, all_options, create_engine, options_for
 
 
 def test_every_option_has_a_flag_with_help():
-    assert set(OPTION_HELP) == set(all_options())
+    assert set(option_help()) == set(all_options())
     flags = build_parser().parse_args(["generate", "--prompts", "x", "--out", "y",
                                         "--block-size", "4", "--enable-prefix-caching"])
     assert flags.block_size == 4 and flags.enable_prefix_caching is True

@@ -364,3 +364,37 @@ def test_shutdown_ends_open_streams_with_an_error(tiny):
         wait_until(lambda: not app.state.loop._thread.is_alive(), what="the loop to stop")
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks and not app.state.loop.handles
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_chunks_carry_token_ids(server, offline, path):
+    """``return_token_ids`` with ``stream``: each chunk carries the ids it brought, even while a
+    possible stop string holds its text back; they add up to the offline engine's tokens, the
+    text to its text, for every sample (issue 38: no chunk carried ids)."""
+    url, app = server
+    chat = "chat" in path
+    prompt = [{"role": "user", "content": "Once"}] if chat else "Once upon a time"
+    want = offline.generate([prompt], SamplingParams(max_tokens=20, n=2, seed=7,
+                                                     temperature=0.8))[0]
+    # a stop string whose first character the answer contains: the text before it is held back
+    # (it might start the stop string) while its token ids are already sent
+    texts = [offline.tokenizer.decode(s, skip_special_tokens=True) for s in want.samples]
+    held = next(ch for ch in texts[0] if ch != "\ufffd")
+    body = {"model": "tiny-llama", "max_tokens": 20, "n": 2, "seed": 7, "temperature": 0.8,
+            "stream": True, "return_token_ids": True, "stop": [held + "\u0000"],
+            ("messages" if chat else "prompt"): prompt}
+    ids, text = {0: [], 1: []}, {0: "", 1: ""}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                if chat and c["delta"].get("role"):
+                    assert "token_ids" not in c or c["token_ids"] == []
+                    continue
+                assert isinstance(c["token_ids"], list)
+                ids[c["index"]] += c["token_ids"]
+                text[c["index"]] += c["delta"].get("content", "") if chat else c["text"]
+    assert [ids[0], ids[1]] == want.samples
+    assert [text[0], text[1]] == texts

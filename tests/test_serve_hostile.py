@@ -5,7 +5,8 @@ next ordinary request gets the offline engine's tokens.
 Covered: a 50 MB body (413 at once; /health answers meanwhile), tokenizing off the event loop,
 fields that would change the answer (400 naming them) and ``stop_token_ids`` (honoured), bodies
 that are not JSON (not UTF-8, a 5,000-digit integer, 100,000 levels of nesting), 404/405/500,
-``--api-key``, a pipeline worker that dies (503 until restarted), bad ``--port``/``--host``.
+``--api-key``, a pipeline worker that dies (503 until restarted), bad ``--port``/``--host``;
+issue 38: a 400-digit integer in any field (400 naming it; a request in flight is unharmed).
 """
 from __future__ import annotations
 
@@ -405,3 +406,49 @@ def test_serve_cli_on_port_0_with_a_key_from_the_environment():
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(60)
     assert rc == 130
+
+
+# --- issue 38 item 2: one huge number must not kill other people's requests -------------------
+HUGE = int("9" * 400)
+
+
+def test_huge_integers_are_400s_naming_the_field_while_others_are_served(tiny, offline):
+    """Under --policy score a 400-digit max_tokens used to overflow the policy's float arithmetic
+    inside the engine's step: a 500 for it, for every request in flight and for the next one. Now
+    every integer field is bounded at parse time: each is a 400 naming the field, a request in
+    flight meanwhile gets the offline engine's tokens, and the next request works."""
+    llm = LLM(tiny, engine="paged", num_blocks=96, max_num_seqs=16, policy="score")
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = offline.generate(["Hello there"], params)[0]
+    with running_server(llm, max_waiting=64) as (url, app):
+        paused, answered = threading.Event(), threading.Event()
+
+        def hold(loop, out):
+            """The engine thread, after a step that left the normal request mid-generation,
+            waits until the hostile requests are answered: they certainly come while it runs."""
+            if loop.handles and not answered.is_set():
+                paused.set()
+                answered.wait(60)
+
+        app.state.loop.on_step.append(hold)
+        result: dict = {}
+        normal = threading.Thread(target=lambda: result.setdefault("r", post(url, json={
+            "model": MODEL, "prompt": "Hello there", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})))
+        normal.start()
+        try:
+            assert paused.wait(60), "the normal request never started"
+            for field in ("max_tokens", "priority", "max_completion_tokens", "seed", "top_k"):
+                for path in ("/v1/completions", "/v1/chat/completions"):
+                    prompt = {"prompt": "x"} if path == "/v1/completions" else \
+                        {"messages": [{"role": "user", "content": "x"}]}
+                    r = post(url, path, json={"model": MODEL, **prompt, field: HUGE})
+                    err = error_of(r, 400)
+                    assert err["param"] == field and field in err["message"], err
+            assert app.state.loop.handles, "the normal request is still in flight"
+        finally:
+            answered.set()
+            normal.join(60)
+        assert result["r"].status_code == 200, result["r"].text
+        assert result["r"].json()["choices"][0]["token_ids"] == want.token_ids
+        assert_still_serving(url, app, offline)

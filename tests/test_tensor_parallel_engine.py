@@ -182,8 +182,10 @@ def test_torchrun_cli_equals_single_process_cli(tmp_path):
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"prompt_token_ids": [5, 6, 7], "n": 2, '
                        '"temperature": 1.0, "seed": 3}\n{"prompt": "heads", "beam_width": 2}\n')
+    # fp32: in bf16 each rank's partial product is rounded before the all-reduce sums them, so
+    # tensor-parallel tokens may differ from one process's (the pipeline's do not: no split sums)
     common = ["-m", "minillm", "generate", "--model", "tiny-llama", "--prompts", str(prompts),
-              "--max-tokens", "8", "--quiet"]
+              "--max-tokens", "8", "--quiet", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one.jsonl")],
                             capture_output=True, text=True, timeout=180, env=env)

@@ -186,3 +186,79 @@ def test_bad_prompts_get_their_own_errors(tiny, engine):
     assert "prompt token ids must be integers, got 'x' (str)" in errors[7]
     assert "needs exactly one of" in errors[9]
     assert "cannot understand a prompt of type float" in errors[10]
+
+
+# --- issue 38: every integer a user can send has a range -------------------------------------------
+def _make(field: str, value):
+    """The object that checks ``field``: a Request for priority, else SamplingParams."""
+    if field == "priority":
+        return Request([5, 6], priority=value)
+    if field == "stop_token_ids[]":
+        return SamplingParams(stop_token_ids=[value])
+    return SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "top_k", "seed", "n", "beam_width",
+                                   "stop_token_ids[]", "priority"])
+def test_integer_fields_are_bounded(field):
+    """Each end of its range is accepted (numpy ints too); one past it, a 400-digit number and a
+    5,000-digit one (beyond what Python will print) are a ValueError naming field and value."""
+    import numpy as np
+
+    from minillm.checks import FIELD_RANGES
+    lo, hi = FIELD_RANGES[field]
+    for ok in (lo, hi, np.int64(hi)):
+        _make(field, ok)
+    where = re.escape(f"{field} must be an integer in [{lo}, {hi}], got ")
+    for bad, shown in [(lo - 1, str(lo - 1)), (hi + 1, str(hi + 1)),
+                       (int("9" * 400), "an integer of 400 digits"),
+                       (-(10 ** 5000), "a negative integer of about 5001 digits")]:
+        with pytest.raises(ValueError, match=where + re.escape(shown) + "$"):
+            _make(field, bad)
+
+
+def test_a_huge_priority_fails_its_own_request_under_score(tiny):
+    """A priority assigned after the Request was made (as the CLI and the server do) is checked
+    again on admission: that request gets an error naming it; the others get the tokens an FCFS
+    run gives them."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = LLM(tiny, engine="paged").generate(prompts, params)
+    llm = LLM(tiny, engine="paged", policy="score")
+    reqs = llm.make_requests(prompts, params)
+    reqs[1].priority = int("9" * 400)
+    outs = llm.run(reqs).outputs
+    assert outs[1].finish_reason == FinishReason.ERROR
+    assert "priority must be an integer in [-2147483648, 2147483647], got an integer of 400 " \
+           "digits" in outs[1].error
+    assert [o.token_ids for o in (outs[0], outs[2])] == [want[0].token_ids, want[2].token_ids]
+    assert all(o.error is None for o in (outs[0], outs[2]))
+
+
+def test_jsonl_line_with_a_huge_number_fails_alone(tmp_path, tiny):
+    """``generate --policy score``: the line with a 400-digit priority and the one with a
+    400-digit max_tokens get errors naming the field; the other lines their outputs; exit 1
+    (some lines failed, cmd_generate's report)."""
+    import json
+
+    from minillm.__main__ import main
+
+    huge = "9" * 400
+    lines = ['{"id": "a", "prompt_token_ids": [5, 6, 7]}',
+             '{"id": "b", "prompt_token_ids": [8, 9], "priority": %s}' % huge,
+             '{"id": "c", "prompt_token_ids": [8, 9], "max_tokens": %s}' % huge,
+             '{"id": "d", "prompt_token_ids": [10, 11, 12], "priority": -3}']
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    code = main(["generate", "--engine", "paged", "--policy", "score", "--model", "tiny-llama",
+                 "--prompts", str(src), "--out", str(dst), "--max-tokens", "4", "--quiet",
+                 "--dtype", "float32"])        # the `tiny` fixture's dtype: tokens compared
+    rows = {row["id"]: row for row in map(json.loads, dst.read_text().splitlines())}
+    assert code == 1
+    assert rows["b"]["error"].startswith("line 2: priority must be an integer in "
+                                         "[-2147483648, 2147483647], got an integer of 400 digits")
+    assert rows["c"]["error"].startswith("line 3: max_tokens must be an integer in "
+                                         "[1, 2147483647], got an integer of 400 digits")
+    want = LLM(tiny, engine="paged").generate([[5, 6, 7], [10, 11, 12]],
+                                              SamplingParams(max_tokens=4))
+    assert [rows[k].get("token_ids") for k in "ad"] == [w.token_ids for w in want]

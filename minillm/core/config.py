@@ -17,9 +17,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from ..request import check_float, check_int
+from ..checks import check_float, check_int
 from .kv_quant import KV_CACHE_DTYPES
-from .policy import POLICIES
+from .policy import MAX_SCORE_WEIGHT, POLICIES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
@@ -114,6 +114,9 @@ class SchedulerConfig:
             value = check_float(name, getattr(self, name))
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+            # bounded so that a score stays finite for any accepted request (core/policy.py)
+            if name != "score_margin" and value > MAX_SCORE_WEIGHT:
+                raise ValueError(f"{name} must be <= {MAX_SCORE_WEIGHT:g}, got {value!r}")
             object.__setattr__(self, name, value)
 
 

@@ -3,7 +3,14 @@
 The scheduler asks its policy two questions, and nothing else:
 
 - ``key(group)``: a sort key, lower first. The waiting queue is admitted in this order, and the
-  running request with the highest key is the first preempted when memory runs out.
+  running request with the highest key is the first preempted when memory runs out. A waiting
+  request's key must not change while it waits: the scheduler inserts each arrival at its place
+  in a queue it never re-sorts (``Scheduler.add``). All three keys below read only what is fixed
+  while a request waits (its arrival, ``priority``, ``max_tokens``, and the tokens it generated
+  before a preemption: tokens land only for running requests). It must also never raise: every
+  integer a request carries is bounded (``minillm/checks.py``) and so are the weights
+  (``MAX_SCORE_WEIGHT``), so every key is finite (``tests/test_policy.py`` checks the extremes);
+  a key that raises anyway fails its own request at admission (``Scheduler.add``), no other.
 - ``preempts(candidate, victim)``: may a waiting ``candidate`` that cannot be seated (the batch is
   full at ``max_num_seqs``, or the pool has no blocks for it) evict the running ``victim``? The
   victim is recompute-preempted (its KV freed, its tokens kept) and waits again.
@@ -44,9 +51,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ..checks import check_float
+
 if TYPE_CHECKING:
     from .config import SchedulerConfig
     from .sequence import SequenceGroup
+
+# The largest score weight (SchedulerConfig's options and Score itself are checked against it).
+# With priority and max_tokens within int32 (minillm/checks.py), a score is at most
+# MAX_SCORE_WEIGHT * (2 * 2**31 + arrival_step) in magnitude, about 4e18 plus the steps: finite,
+# so keys always compare and a difference of two is never inf - inf = nan.
+MAX_SCORE_WEIGHT = 1e9
 
 
 class SchedulingPolicy(Protocol):
@@ -94,6 +109,13 @@ class Score:
     priority_weight: float = 1000.0  # per unit of Request.priority (= 1000 steps of waiting)
     margin: float = 10.0            # a candidate must beat its victim by more than this
     name: str = "score"
+
+    def __post_init__(self):
+        for name in ("wait_weight", "remaining_weight", "priority_weight", "margin"):
+            value = check_float(name, getattr(self, name))
+            top = math.inf if name == "margin" else MAX_SCORE_WEIGHT
+            if not 0 <= value <= top:
+                raise ValueError(f"score: {name} must be in [0, {top:g}], got {value!r}")
 
     def score(self, group: SequenceGroup) -> float:
         return (self.priority_weight * group.request.priority

@@ -26,10 +26,12 @@ more blocks than the request was admitted with, and could never fit a tight pool
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from .allocator import KVAllocator
+from ..checks import check_field
 from ..request import Request, RequestError
 from .beam import select_beams
 from .commit import Emit, SelectBeams, StepCommit
@@ -83,14 +85,31 @@ class Scheduler(StepCommit):
         return self.policy.key(g)
 
     def add(self, req: Request) -> SequenceGroup:
+        """Queue ``req`` at its rank: after the waiting groups whose key equals its own (arrival
+        order among equals), with O(log n) key computations, never a sort of the whole queue (a
+        10,000-line JSONL spent minutes re-sorting). ``self.waiting`` stays sorted by ``rank``
+        because a waiting group's key never changes while it waits (``core/policy.py``).
+
+        A request the policy cannot rank is a ``RequestError`` for it alone, before it joins the
+        queue: left inside, its key would fail every later sort and every step, i.e. everyone's
+        requests. ``priority`` is checked again here because callers assign it after the
+        ``Request`` was made (the CLI, the server)."""
         if req.request_id in self.groups:
             raise RequestError(f"{req.request_id}: a request with this id is already in flight")
         group = SequenceGroup(req, [Sequence(req, list(req.prompt_token_ids), req.prompt_len)],
                               self.num_arrived, self.num_steps)
+        try:
+            req.priority = check_field("priority", req.priority)
+        except ValueError as e:
+            raise RequestError(f"{req.request_id}: {e}") from None
+        try:
+            key = self.rank(group)
+        except Exception as e:      # a policy's own bug (OverflowError, TypeError...): this one
+            raise RequestError(f"{req.request_id}: the {self.policy.name!r} policy cannot rank "
+                               f"this request ({type(e).__name__}: {e})") from None
         self.num_arrived += 1
         self.groups[req.request_id] = group
-        self.waiting.append(group)
-        self.waiting.sort(key=self.rank)
+        self.waiting.insert(bisect.bisect_right(self.waiting, key, key=self.rank), group)
         return group
 
     def has_unfinished(self) -> bool:
@@ -255,8 +274,10 @@ class Scheduler(StepCommit):
         group.request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(group)
-        self.waiting.insert(0, group)
-        self.waiting.sort(key=self.rank)    # stable: ties keep the preempted group in front
+        # before the waiting groups with an equal key (it arrived before them); its key may have
+        # moved while it ran (score: fewer tokens remain), and stays put now that it waits
+        at = bisect.bisect_left(self.waiting, self.rank(group), key=self.rank)
+        self.waiting.insert(at, group)
 
     def finish(self, group: SequenceGroup) -> None:
         for seq in group.seqs + group.done_seqs:

@@ -241,18 +241,29 @@ class Answer:
             return deltas
         for i, ids in sorted(event.tokens.items()):
             if self.finish[i] is None:
+                before = len(self.detoks[i].token_ids)
                 text = self.detoks[i].add(ids)
                 if self.detoks[i].stopped:
                     self.finish[i] = "stop"
-                if text or self.finish[i]:
-                    deltas.append({"index": i, "text": text, "finish_reason": self.finish[i]})
+                # with return_token_ids every token is sent as it comes, even while its text is
+                # held back (a possible stop string, half a character): the chunks' ids add up
+                # to the unstreamed answer's token_ids
+                new_ids = self.detoks[i].token_ids[before:] if self.return_token_ids else []
+                if text or self.finish[i] or new_ids:
+                    deltas.append(self._delta(i, text, new_ids))
         if event.kind == "done":
             self.done = True
             for i, d in enumerate(self.detoks):
                 if self.finish[i] is None:
                     self.finish[i] = self._reason(i)
-                    deltas.append({"index": i, "text": d.flush(), "finish_reason": self.finish[i]})
+                    deltas.append(self._delta(i, d.flush(), []))
         return deltas
+
+    def _delta(self, i: int, text: str, token_ids: list[int]) -> dict:
+        delta = {"index": i, "text": text, "finish_reason": self.finish[i]}
+        if self.return_token_ids:
+            delta["token_ids"] = token_ids
+        return delta
 
     def _reason(self, i: int) -> str:
         """Why sample ``i`` ended, as the engine committed it (``Request.outputs``)."""

@@ -32,7 +32,6 @@ def servable_engines() -> tuple[str, ...]:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="paged", choices=servable_engines(),
                    help="an engine that can abort requests (default: paged)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0..65535 (0: any free port)")
@@ -55,6 +54,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--port must be in 0..65535 (0: any free port), got {args.port}"
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         return f"--max-body-bytes must be >= 1, got {args.max_body_bytes}"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be >= 1, got {args.threads}"
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key must not be empty"
     return None
@@ -101,10 +102,10 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     # through the kernel. Measured on the lab CPU: a decode step ~25% slower, served TPOT ~2x
     # (`bench --serve minillm,offline`). So this thread loads the model on one thread (it never
     # makes a team) and the loop thread computes on all of them.
-    threads = max(1, min(torch.get_num_threads(), 8))
+    threads = args.threads or max(1, min(torch.get_num_threads(), 8))
     torch.set_num_threads(1)
     try:
-        llm = LLM(args.model, engine=args.engine, **engine_options)
+        llm = LLM(args.model, engine=args.engine, dtype=args.dtype, **engine_options)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

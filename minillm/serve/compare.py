@@ -73,12 +73,14 @@ def split_name(name: str) -> tuple[str, list[str]]:
 
 
 def server_command(name: str, model: str, port: int, max_num_seqs: int,
-                   kv_cache_bytes: int, extra: list[str] = ()) -> tuple[list[str], dict]:
+                   kv_cache_bytes: int, extra: list[str] = (),
+                   dtype: str = "float32") -> tuple[list[str], dict]:
     """The command line and environment that start server ``name`` on ``port`` (``extra``:
-    more of minillm's serve flags)."""
+    more of minillm's serve flags), computing in ``dtype`` (a name: both servers get the same)."""
     server, variant = split_name(name)
     if server == "minillm":
-        return ([sys.executable, "-m", "minillm", "serve", "--model", model, "--host",
+        return ([sys.executable, "-m", "minillm", "serve", "--model", model, "--dtype", dtype,
+                 "--host",
                  "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
                  "--kv-cache-bytes", str(kv_cache_bytes), "--max-waiting", "100000",
                  "--no-dashboard", *variant, *extra], dict(os.environ))
@@ -91,7 +93,7 @@ def server_command(name: str, model: str, port: int, max_num_seqs: int,
                              f"not --model {model}")
         py = ensure_venv()
         return ([str(py), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                 str(ensure_smollm2_cache()), "--served-model-name", model, "--dtype", "float32",
+                 str(ensure_smollm2_cache()), "--served-model-name", model, "--dtype", dtype,
                  "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
                  "--kv-cache-memory-bytes", str(kv_cache_bytes), "--seed", "0"], worker_env())
 
@@ -154,10 +156,10 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 @contextmanager
 def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_dir: Path,
-            timeout_s: float = START_TIMEOUT_S, extra: list[str] = ()):
+            timeout_s: float = START_TIMEOUT_S, extra: list[str] = (), dtype: str = "float32"):
     """Server ``name`` running on a free port for the ``with`` block: yields its base URL."""
     port = free_port()
-    cmd, env = server_command(name, model, port, max_num_seqs, kv_cache_bytes, extra)
+    cmd, env = server_command(name, model, port, max_num_seqs, kv_cache_bytes, extra, dtype)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"server-{name.replace(':', '-').replace('/', '-').replace('=', '')}.log"
     with open(log, "wb") as out:
@@ -176,7 +178,7 @@ def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_d
 
 
 def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_seqs: int,
-                kv_cache_bytes: int):
+                kv_cache_bytes: int, dtype: str = "float32"):
     """``bodies`` through the paged engine in this process, each arriving at its offset: the
     load generator's ``RequestResult``s (no per-token gaps: ITL is not measured) and the run's
     duration. Two short requests first, as any server has served before it is measured."""
@@ -184,7 +186,8 @@ def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_se
     from ..request import SamplingParams
     from .loadgen import RequestResult
 
-    llm = LLM(model, engine="paged", max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes)
+    llm = LLM(model, engine="paged", max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
+              dtype=dtype)
     prompts = [{"messages": b["messages"]} if "messages" in b else b["prompt"] for b in bodies]
     params = [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
                              ignore_eos=b.get("ignore_eos", False)) for b in bodies]

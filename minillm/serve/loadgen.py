@@ -293,6 +293,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
     # caching), so an eviction costs a lookup, not a recomputed prompt; the same for every policy
     extra = ["--enable-prefix-caching"] if args.mix == "policies" else []
     log_dir = (Path(args.json).resolve().parent if args.json else Path.cwd()) / "server-logs"
+    dtype = served_dtype(args.dtype)
     results = {}
     for name in names:
         try:
@@ -301,11 +302,12 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                 offsets = arrival_offsets(len(bodies), random.Random(args.seed),
                                           None if math.isinf(rate) else rate)
                 results[name] = summarize(*run_offline(args.model, bodies, offsets,
-                                                       args.max_batch, DEFAULT_KV_CACHE_BYTES))
+                                                       args.max_batch, DEFAULT_KV_CACHE_BYTES,
+                                                       dtype))
                 print(report(results[name], rate, args.concurrency))
                 continue
             with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
-                         log_dir, extra=extra) as url:
+                         log_dir, extra=extra, dtype=dtype) as url:
                 results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
                                       classes, args.mix)
         except (RuntimeError, ValueError, OSError) as e:
@@ -317,9 +319,20 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
         print(class_table({n: m["classes"] for n, m in results.items()}, args.mix))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({**workload, "max_num_seqs": args.max_batch, "servers": results,
+            json.dump({**workload, "max_num_seqs": args.max_batch, "dtype": dtype,
+                       "servers": results,
                        "environment": server_environment(names)}, f, indent=1)
     return 0 if all(m["completed"] == len(bodies) for m in results.values()) else 1
+
+
+def served_dtype(name: str) -> str:
+    """``--dtype`` resolved here (auto: bf16 where this CPU computes it natively) to the one name
+    every server started and the offline engine get: the peers compute in the same dtype."""
+    import torch
+
+    from ..models import resolve_dtype
+
+    return str(resolve_dtype(name, torch.device("cpu"))).removeprefix("torch.")
 
 
 def server_environment(names: list[str]) -> dict:

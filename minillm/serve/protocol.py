@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from ..checks import FIELD_RANGES
 from ..request import SamplingParams
 
 
@@ -73,13 +74,17 @@ class _Common(BaseModel):
     REFUSED: ClassVar[dict[str, tuple]] = {}
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    # Every integer is bounded here, with the engine's ranges (minillm/checks.py): a 400-digit
+    # max_tokens is a 400 naming it, never a number that overflows inside the scheduler's step
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=FIELD_RANGES["max_tokens"][1])
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1,
+                                                    le=FIELD_RANGES["max_tokens"][1])
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(default=0, ge=0)           # vLLM's extra (0 = off here)
+    top_k: StrictInt = Field(default=0, ge=0, le=FIELD_RANGES["top_k"][1])  # vLLM's (0 = off)
     n: StrictInt = Field(default=1, ge=1, le=16)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=FIELD_RANGES["seed"][0],
+                                   le=FIELD_RANGES["seed"][1])
     stop: Union[StrictStr, list[StrictStr], None] = None
     stop_token_ids: list[StrictInt] | None = None      # vLLM's extra: these ids end a choice
     stream: StrictBool = False
@@ -88,7 +93,8 @@ class _Common(BaseModel):
     return_token_ids: StrictBool = False                # vLLM's extra: each choice's token ids too
     # vLLM's extra: lower runs first under --policy priority or score (core/policy.py); under
     # fcfs it only labels the request's class in /metrics
-    priority: StrictInt = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+    priority: StrictInt = Field(default=0, ge=FIELD_RANGES["priority"][0],
+                                le=FIELD_RANGES["priority"][1])
 
     def check_fields(self) -> None:
         """A 400 naming the first field that is neither honoured, nor metadata, nor neutral."""

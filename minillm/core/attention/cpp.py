@@ -81,9 +81,9 @@ def cpp_available() -> bool:
 
 
 class CppAttention(TorchAttention):
-    """Rung 3's attention with the decode part in C++ (CPU, fp32/fp64 queries; pools in the same
-    type or, rung 9, a narrower one with scales); everything else, and any other device or dtype,
-    is the torch reference."""
+    """Rung 3's attention with the decode part in C++ (CPU; fp32/fp64 queries, bf16/fp16 ones
+    computed in fp32; pools in the model's type or, rung 9, a narrower one with scales);
+    everything else, and any other device or dtype, is the torch reference."""
 
     name = "cpp"
 
@@ -94,10 +94,16 @@ class CppAttention(TorchAttention):
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         if (self.kernel is None or q.device.type != "cpu"
-                or q.dtype not in (torch.float32, torch.float64)):
+                or q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        # A 16-bit model (--dtype bfloat16) computes attention in fp32, as the torch reference's
+        # softmax does: the query is widened (a few KB), the pool's 16-bit rows are widened as
+        # they are read, inside the kernel -- the context is never copied.
+        wide = q.float() if q.dtype in (torch.bfloat16, torch.float16) else q
         if isinstance(k_cache, QuantizedPool):    # stored narrow: widened inside the kernel
-            return self.kernel.paged_decode(q, k_cache.data, v_cache.data, k_cache.scale,
-                                            v_cache.scale, block_tables, context_lens, scale)
-        return self.kernel.paged_decode(q, k_cache, v_cache, None, None, block_tables,
-                                        context_lens, scale)
+            out = self.kernel.paged_decode(wide, k_cache.data, v_cache.data, k_cache.scale,
+                                           v_cache.scale, block_tables, context_lens, scale)
+        else:
+            out = self.kernel.paged_decode(wide, k_cache, v_cache, None, None, block_tables,
+                                           context_lens, scale)
+        return out.to(q.dtype)

@@ -82,13 +82,14 @@ class TensorParallelEngine(PipelineEngine):
         return out
 
 
-def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0, **rank0_options) -> int:
+def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0,
+                    dtype: str | None = None, **rank0_options) -> int:
     """What ``python -m minillm generate --tensor-parallel T`` runs on ranks 1.. under torchrun:
     load the same model, join the group, serve until rank 0 says "stop"."""
     from ...models import load_model
 
     device = torchrun_device()
-    model = load_model(model_name, device)
+    model = load_model(model_name, device, dtype)     # rank 0's --dtype
     comm = group_from_env(device, pipeline_timeout_s)
     try:
         run_tensor_worker(comm, PagedLlama(model.hf_model, TorchLinear()))

@@ -9,8 +9,9 @@ scales too), rank 0 allocates as many blocks (``BlockManager.allocate_loaded``),
 (``KVPool.write_blocks``) and hands the request to its scheduler with the prompt but its last
 token computed. Its next step computes that token and samples the first output token: the same
 sampler and commit point as rung 3, so the tokens are rung 3's. Then it acknowledges, and the
-prefill worker frees its blocks (or keeps them as prefix cache). Prompts of at most
-``local_prefill_max_tokens`` tokens skip the prefill worker: prefilled here, as in rung 3.
+prefill worker frees its blocks (or keeps them as prefix cache). Landed blocks whose request
+waits behind one that cannot fit are given back: it recomputes here (``_idle``). Prompts of at
+most ``local_prefill_max_tokens`` tokens skip the prefill worker: prefilled here, as in rung 3.
 
 The two workers run at their own pace: rank 0 sends a command, keeps decoding, and reads the
 reply whenever it has arrived (then sends the next command); the prefill worker answers each
@@ -32,6 +33,7 @@ import torch
 from ...core.config import options_of
 from ...core.engine import PagedEngine
 from ...memory import MemorySnapshot
+from ...checks import check_field
 from ...request import FinishReason, Request, RequestError
 from ..base import StepOutput
 from ..r7_pipeline.comm import PipelineError, deferred_interrupt
@@ -89,6 +91,7 @@ class DisaggEngine(PagedEngine):
         self.prefill_pool = (value, value)                 # its free and total blocks, last seen
         self._prefill_picture: MemorySnapshot | None = None
         self._want_picture = False
+        self._room_made: tuple = ()          # (step, head): ``_idle`` made room for it
 
     @property
     def threads_in_workers(self) -> int:
@@ -108,9 +111,14 @@ class DisaggEngine(PagedEngine):
         return out
 
     # --- requests ---------------------------------------------------------------------------------
+    def prefilled_here(self, req: Request) -> bool:   # (a short prompt: nothing worth moving)
+        return req.prompt_len <= max(1, self.disagg_config.local_prefill_max_tokens)
+
     def validate(self, req: Request) -> None:
         super().validate(req)   # (n > 1 and beams: refused there, supports_parallel is False)
-        if -(-(req.prompt_len - 1) // self.block_size) > self.prefill_blocks:
+        # the prefill pool only matters to a prompt that goes there (a short one never does)
+        if not self.prefilled_here(req) and \
+                -(-(req.prompt_len - 1) // self.block_size) > self.prefill_blocks:
             raise RequestError(f"{req.request_id}: its prompt needs more blocks than the prefill "
                                f"worker's pool has ({self.prefill_blocks}); it could never run")
 
@@ -118,7 +126,11 @@ class DisaggEngine(PagedEngine):
         rid = req.request_id
         if rid in self.groups or rid in self.prefilling or rid in self.ready or rid in self.pulling:
             raise RequestError(f"{rid}: a request with this id is already in flight")
-        if req.prompt_len <= max(1, self.disagg_config.local_prefill_max_tokens):
+        try:   # checked again (the worker's Request would raise): callers set it after creation
+            check_field("priority", req.priority)
+        except ValueError as e:
+            raise RequestError(f"{rid}: {e}") from None
+        if self.prefilled_here(req):
             self.scheduler.add(req)          # computed here: nothing (worth) moving
             return
         self.prefilling[rid] = req
@@ -137,9 +149,8 @@ class DisaggEngine(PagedEngine):
 
     def stages(self) -> dict[str, list[Request]]:
         """Where the requests that are not decoding here are (the dashboard's waiting list)."""
-        return {"prefilling": list(self.prefilling.values()),
-                "prefilled": [r for r, _ in self.ready.values()],
-                "in transfer": [r for r, _ in self.pulling.values()]}
+        return {"prefilling": list(self.prefilling.values()), "prefilled": [
+            r for r, _ in self.ready.values()], "in transfer": [r for r, _ in self.pulling.values()]}
 
     def abort(self, request_id: str) -> bool:
         elsewhere = self.prefilling.pop(request_id, None) or \
@@ -192,14 +203,15 @@ class DisaggEngine(PagedEngine):
             self._break(e)
 
     def _choose_pulls(self) -> list[str]:
-        """Prefilled requests, oldest first, while this pool has their blocks (and one more for
-        their next token) beyond one block per running request, and a seat; nobody overtakes."""
-        free = self.block_manager.num_free_blocks - len(self.scheduler.running)
+        """Prefilled requests, oldest first, while this pool has the blocks each needs to be
+        admitted (its whole prompt, last token included: the paged scheduler's ``can_append``)
+        beyond what the requests here need first (``_claimed``), and a seat; nobody overtakes."""
+        free = self.block_manager.num_free_blocks - self._claimed()
         seats = self.scheduler.max_num_seqs - len(self.scheduler.running) - \
             len(self.scheduler.waiting)
         pulls = []
         for rid, (req, n) in list(self.ready.items()):
-            need = -(-n // self.block_size) + 1
+            need = -(-(n + 1) // self.block_size)
             if need > free or seats <= 0:
                 break
             free, seats = free - need, seats - 1
@@ -207,6 +219,39 @@ class DisaggEngine(PagedEngine):
             self.pulling[rid] = (req, time.perf_counter())
             pulls.append(rid)
         return pulls
+
+    def _claimed(self) -> int:
+        """Blocks the requests here need before a pulled one: a running one's next step (at least
+        a block: it decodes on), a waiting one's admission (all it has left to compute). A pulled
+        request lands behind the waiting queue; blocks landed where the queue cannot admit them
+        would only wait there (and be given back: ``_idle``)."""
+        bm = self.block_manager
+        return sum(max(1, bm.blocks_needed(s, s.num_uncomputed))
+                   for g in self.scheduler.running for s in g.seqs) + \
+            sum(bm.blocks_needed(s, s.num_uncomputed) for g in self.scheduler.waiting
+                for s in g.seqs)
+
+    def _idle(self, out: StepOutput) -> StepOutput:
+        """Nothing was scheduled. Rung 3 calls that a bug when nothing runs and requests wait, since
+        there a waiting request holds no blocks and the queue's head alone always fits. Here a
+        landed request holds its blocks while it waits to be admitted; behind a head that cannot
+        fit (preempted, or a prompt recomputed here) they would keep it out for ever, as nobody
+        overtakes. So they are given back, lowest-ranked first, until the head fits — those
+        requests recompute their prompts here (from the prefix cache, when it is on) — and the
+        next step admits the head. The same head still out the step after: a bug, raised."""
+        sched, bm = self.scheduler, self.block_manager
+        if sched.running or not sched.waiting or \
+                self._room_made == (self.total_steps - 1, sched.waiting[0]):
+            return super()._idle(out)
+        head = sched.waiting[0].seqs[0]
+        for group in reversed(sched.waiting[1:]):
+            if bm.blocks_needed(head, head.num_uncomputed) <= bm.num_free_blocks:
+                break
+            for seq in group.seqs:
+                if seq.block_table:
+                    bm.free(seq)
+        self._room_made = (self.total_steps, sched.waiting[0])
+        return out
 
     def _post_read(self) -> Future:
         """Receive the reply to the command just sent, and the blocks that follow it, on a thread

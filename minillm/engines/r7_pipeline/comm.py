@@ -46,20 +46,30 @@ class PipelineError(RuntimeError):
 def deferred_interrupt():
     """Hold Ctrl-C until the block ends. Sending a micro-batch to every rank, or receiving its
     logits and forgetting it, must happen whole: interrupted halfway, rank 0's books and the
-    messages on the wire would disagree from then on. (Only the main thread gets SIGINT.)"""
+    messages on the wire would disagree from then on. (Only the main thread gets signals.)
+    SIGTERM and SIGHUP are held too when Python code handles them (``generate`` turns them into a
+    KeyboardInterrupt, ``minillm/__main__.py``); the first signal held is delivered at the end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    held = [signal.SIGINT] + [s for s in DEFERRABLE if callable(signal.getsignal(s))]
+    previous = {s: signal.signal(s, lambda *args: caught.append(args)) for s in held}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(*caught[0])           # Python's default handler raises KeyboardInterrupt
-        elif caught and previous != signal.SIG_IGN:
-            raise KeyboardInterrupt
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0][0]]
+            if callable(handler):
+                handler(*caught[0])        # Python's default handler raises KeyboardInterrupt
+            elif handler != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+
+# Signals besides SIGINT that deferred_interrupt holds when Python code handles them
+DEFERRABLE = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 @dataclass

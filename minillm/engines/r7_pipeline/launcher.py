@@ -189,7 +189,8 @@ def torchrun_group(timeout_s: float, device: torch.device) -> WorkerGroup:
     return WorkerGroup(group_from_env(device, timeout_s))
 
 
-def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0, **rank0_options) -> int:
+def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0,
+                    dtype: str | None = None, **rank0_options) -> int:
     """What ``python -m minillm generate --pipeline-parallel N`` runs on ranks 1..N-1 under
     torchrun (the registry's ``EngineSpec.worker``, given the engine options): load the same
     model, join the group, serve until rank 0 says "stop". The other options are rank 0's: it
@@ -199,7 +200,7 @@ def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0, **rank0_o
     from ...core.linear import get_linear_kernel
 
     device = torchrun_device()
-    model = load_model(model_name, device)
+    model = load_model(model_name, device, dtype)     # rank 0's --dtype
     comm = group_from_env(device, pipeline_timeout_s)
     kernel = get_linear_kernel(rank0_options.get("linear_backend"), device, model.dtype)
     try:
