@@ -17,7 +17,11 @@ in one run: the machine is noisy; targets live here and in ``make bench``, never
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -144,7 +148,27 @@ def main(argv: list[str] | None = None) -> int:
                         "auto: bf16 where this CPU computes it natively); several alternate")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one per core)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="keep this many cores busy with other processes while measuring (a "
+                        "shared machine; with OMP_WAIT_POLICY=PASSIVE in the environment too)")
     args = p.parse_args(argv)
+    with busy_cores(args.busy):
+        return run(args)
+
+
+@contextlib.contextmanager
+def busy_cores(n: int):
+    """``n`` processes spinning on the CPU for the ``with`` block: other jobs on a shared machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def run(args: argparse.Namespace) -> int:
     from .engines import get_attention_backend
     from .models import load_model
 
@@ -153,12 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     setups = [dtype_setup(load_model(args.model, dtype=d)) for d in args.dtype.split(",")]
     model = setups[0][0]
     backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
-    print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s); "
+    print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s), "
+          f"{args.busy} core(s) busy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}; "
           + "; ".join(f"{str(m.dtype)[6:]} matmul peak {peak:.0f} GFLOP/s ({k.name}, 2048^3)"
                       for m, k, peak, _ in setups) + "\n")
     head = f"{'rows':>5} {'dtype':>8} {'attention':>9} {'linear':>6} {'kv':>8} {'ms/step':>8} " \
         f"{'tok/s':>7} {'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
-        "  ".join(f"{c:>13}" for c in COMPONENTS)
+        "  ".join(f"{c:>13}" for c in COMPONENTS) + f"  {'p90 ms':>7}"
     print(head)
     for rows in (int(r) for r in args.rows.split(",")):
         for (model, fastest, peak, floor_net), backend in \
@@ -166,15 +191,16 @@ def main(argv: list[str] | None = None) -> int:
             linears = (args.linear or fastest.name).split(",")
             for linear, kv in ((a, b) for a in linears for b in args.kv_cache_dtype.split(",")):
                 llm = steady_engine(model, rows, args.context, backend, linear, kv)
-                ms = statistics.median(time_steps(llm.engine, args.steps))
+                times = sorted(time_steps(llm.engine, args.steps))
+                ms, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
                 parts = breakdown(llm.engine, max(2, args.steps // 2))
                 floor, gflops = linear_floor_ms(floor_net, rows)
                 shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%"
                                    for c in COMPONENTS)
                 print(f"{rows:>5} {str(model.dtype)[6:]:>8} {llm.engine.backend.name:>9} "
                       f"{linear:>6} {kv:>8} {ms:>8.1f} {rows * 1000 / ms:>7.0f} {floor:>7.1f}ms "
-                      f"{ms / floor:>6.2f} {gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}",
-                      flush=True)
+                      f"{ms / floor:>6.2f} {gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}"
+                      f"  {p90:>7.1f}", flush=True)
                 del llm
     return 0
 

@@ -34,7 +34,9 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     # The KV budget is the paged engine's (vLLM's CPU default claims 92% of the RAM up front)
-    llm = LLM(model=spec["model_dir"], dtype="float32", max_num_seqs=spec["max_num_seqs"],
+    # the dtype minillm's model computes in (bench --dtype): both engines do the same arithmetic
+    llm = LLM(model=spec["model_dir"], dtype=spec.get("dtype", "float32"),
+              max_num_seqs=spec["max_num_seqs"],
               seed=0, kv_cache_memory_bytes=spec["kv_cache_bytes"])
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in spec["max_tokens"]]
@@ -155,7 +157,7 @@ def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
     spec, out = workdir / "vllm_spec.json", workdir / "vllm_out.json"
     spec.write_text(json.dumps({
         "model_dir": str(ensure_smollm2_cache()), "max_num_seqs": max_num_seqs,
-        "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES,
+        "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "dtype": str(model.dtype)[6:],
         "prompts": [r.prompt_token_ids for r in requests],
         "max_tokens": [r.params.max_tokens for r in requests]}))
     env = worker_env()

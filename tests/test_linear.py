@@ -131,6 +131,18 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
     assert all(float(r[8]) > 0 for r in rows)          # the ratio column
 
 
+def test_profile_busy_cores_are_stopped():
+    """``make profile --busy N``: N spinning processes while measuring, none left afterwards,
+    also when the measurement fails."""
+    from minillm.profile_step import busy_cores
+
+    with pytest.raises(RuntimeError, match="measuring failed"):
+        with busy_cores(2) as hogs:
+            assert len(hogs) == 2 and all(h.poll() is None for h in hogs)
+            raise RuntimeError("measuring failed")
+    assert all(h.poll() is not None for h in hogs)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
 def test_freed_activations_stay_in_the_process_for_the_next_step():
     """After ``keep_freed_memory`` (called by every CPU ModelRunner) a step-sized temporary
