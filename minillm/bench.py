@@ -304,7 +304,7 @@ def format_spec_table(rows: list[dict]) -> str:
 # --- entry point ---------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
     from .llm import check_threads
-    from .models import load_model
+    from .models import dtype_name, load_model
     from .workload import CHAT_MIX, make_workload
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -326,7 +326,7 @@ def main(args: argparse.Namespace) -> int:
     rows = run_table(model, engines, items, items[:n_naive], options)
     print()
     print(format_table(rows))
-    results = {"model": args.model, "dtype": str(model.dtype)[6:], "requests": n, "naive_requests": n_naive, "rate": args.rate,
+    results = {"model": args.model, "dtype": dtype_name(model.dtype), "requests": n, "naive_requests": n_naive, "rate": args.rate,
                "seed": args.seed, "quick": args.quick, "torch_threads": torch.get_num_threads(),
                "table": rows, "experiments": {}}
     exps = [e for e in args.experiments.split(",") if e in EXPERIMENTS]

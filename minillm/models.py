@@ -99,6 +99,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = ("auto", *DTYPES)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the name ``--dtype`` and the JSON results use."""
+    return str(dtype).removeprefix("torch.")
+
+
 @functools.cache
 def native_bf16(device_type: str = "cpu") -> bool:
     """Does this device compute bf16 natively? CUDA: what torch says. A CPU: its ISA has AMX-BF16

@@ -170,7 +170,7 @@ def busy_cores(n: int):
 
 def run(args: argparse.Namespace) -> int:
     from .engines import get_attention_backend
-    from .models import load_model
+    from .models import dtype_name, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
     print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s), "
           f"{args.busy} core(s) busy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}; "
-          + "; ".join(f"{str(m.dtype)[6:]} matmul peak {peak:.0f} GFLOP/s ({k.name}, 2048^3)"
+          + "; ".join(f"{dtype_name(m.dtype)} matmul peak {peak:.0f} GFLOP/s ({k.name}, 2048^3)"
                       for m, k, peak, _ in setups) + "\n")
     head = f"{'rows':>5} {'dtype':>8} {'attention':>9} {'linear':>6} {'kv':>8} {'ms/step':>8} " \
         f"{'tok/s':>7} {'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                 floor, gflops = linear_floor_ms(floor_net, rows)
                 shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%"
                                    for c in COMPONENTS)
-                print(f"{rows:>5} {str(model.dtype)[6:]:>8} {llm.engine.backend.name:>9} "
+                print(f"{rows:>5} {dtype_name(model.dtype):>8} {llm.engine.backend.name:>9} "
                       f"{linear:>6} {kv:>8} {ms:>8.1f} {rows * 1000 / ms:>7.0f} {floor:>7.1f}ms "
                       f"{ms / floor:>6.2f} {gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}"
                       f"  {p90:>7.1f}", flush=True)

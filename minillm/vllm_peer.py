@@ -150,14 +150,14 @@ def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
     """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
     worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
     from .core.config import DEFAULT_KV_CACHE_BYTES
-    from .models import ensure_smollm2_cache
+    from .models import dtype_name, ensure_smollm2_cache
 
     py = ensure_venv()
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "vllm_spec.json", workdir / "vllm_out.json"
     spec.write_text(json.dumps({
         "model_dir": str(ensure_smollm2_cache()), "max_num_seqs": max_num_seqs,
-        "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "dtype": str(model.dtype)[6:],
+        "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "dtype": dtype_name(model.dtype),
         "prompts": [r.prompt_token_ids for r in requests],
         "max_tokens": [r.params.max_tokens for r in requests]}))
     env = worker_env()

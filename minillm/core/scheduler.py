@@ -279,6 +279,19 @@ class Scheduler(StepCommit):
         at = bisect.bisect_left(self.waiting, self.rank(group), key=self.rank)
         self.waiting.insert(at, group)
 
+    def make_room_for_head(self) -> None:
+        """Free the blocks waiting groups hold behind the queue's head, lowest-ranked first,
+        until the head's uncomputed tokens fit; those groups recompute them when admitted. Only
+        a rung that lands KV into waiting groups needs it (rung 11's ``_idle``): here a waiting
+        group holds no blocks but the prefix it adopts while being admitted."""
+        head = self.waiting[0].seqs[0]
+        for group in reversed(self.waiting[1:]):
+            if self.bm.blocks_needed(head, head.num_uncomputed) <= self.bm.num_free_blocks:
+                return
+            for seq in group.seqs:
+                if seq.block_table:
+                    self.bm.free(seq)
+
     def finish(self, group: SequenceGroup) -> None:
         for seq in group.seqs + group.done_seqs:
             if seq.block_table:

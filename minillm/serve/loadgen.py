@@ -330,9 +330,9 @@ def served_dtype(name: str) -> str:
     every server started and the offline engine get: the peers compute in the same dtype."""
     import torch
 
-    from ..models import resolve_dtype
+    from ..models import dtype_name, resolve_dtype
 
-    return str(resolve_dtype(name, torch.device("cpu"))).removeprefix("torch.")
+    return dtype_name(resolve_dtype(name, torch.device("cpu")))
 
 
 def server_environment(names: list[str]) -> dict:

@@ -239,17 +239,11 @@ class DisaggEngine(PagedEngine):
         overtakes. So they are given back, lowest-ranked first, until the head fits — those
         requests recompute their prompts here (from the prefix cache, when it is on) — and the
         next step admits the head. The same head still out the step after: a bug, raised."""
-        sched, bm = self.scheduler, self.block_manager
+        sched = self.scheduler
         if sched.running or not sched.waiting or \
                 self._room_made == (self.total_steps - 1, sched.waiting[0]):
             return super()._idle(out)
-        head = sched.waiting[0].seqs[0]
-        for group in reversed(sched.waiting[1:]):
-            if bm.blocks_needed(head, head.num_uncomputed) <= bm.num_free_blocks:
-                break
-            for seq in group.seqs:
-                if seq.block_table:
-                    bm.free(seq)
+        sched.make_room_for_head()
         self._room_made = (self.total_steps, sched.waiting[0])
         return out
 
