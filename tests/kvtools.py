@@ -20,14 +20,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 class PagedKV:
     """Random per-sequence K/V, both dense and scattered into shuffled blocks of a pool."""
 
-    def __init__(self, lens: list[int], block_size: int, num_kv_heads: int, extra_cols: int = 1):
+    def __init__(self, lens: list[int], block_size: int, num_kv_heads: int, extra_cols: int = 1,
+                 head_dim: int = HEAD_DIM):
         self.lens, self.block_size = lens, block_size
         nblocks = [(n + block_size - 1) // block_size for n in lens]
         pool_blocks = 2 * sum(nblocks) + 3                      # more blocks than needed
         physical = torch.randperm(pool_blocks).tolist()        # scattered, shuffled
         width = max(nblocks) + extra_cols                      # trailing entries stay -1
         self.tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-        shape = (pool_blocks, block_size, num_kv_heads, HEAD_DIM)
+        shape = (pool_blocks, block_size, num_kv_heads, head_dim)
         self.k_ref, self.v_ref = torch.randn(shape), torch.randn(shape)   # clean: reference
         self.k_nan, self.v_nan = torch.full(shape, NAN), torch.full(shape, NAN)  # kernels
         self.k_dense, self.v_dense, self.slots = [], [], []
@@ -36,9 +37,9 @@ class PagedKV:
             self.tables[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             pos = torch.arange(n)
             slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
-            k, v = torch.randn(n, num_kv_heads, HEAD_DIM), torch.randn(n, num_kv_heads, HEAD_DIM)
+            k, v = torch.randn(n, num_kv_heads, head_dim), torch.randn(n, num_kv_heads, head_dim)
             for pool, x in ((self.k_ref, k), (self.v_ref, v), (self.k_nan, k), (self.v_nan, v)):
-                pool.view(-1, num_kv_heads, HEAD_DIM)[slots] = x
+                pool.view(-1, num_kv_heads, head_dim)[slots] = x
             self.k_dense.append(k)
             self.v_dense.append(v)
             self.slots.append(slots)

@@ -51,6 +51,32 @@ def test_16_bit_decode_is_fp32_attention_of_the_same_numbers(heads, kv_heads, dt
     assert rel_err(out.float(), want) <= 2 ** -7      # one 16-bit rounding of the result
 
 
+WIDE = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16), (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("q_dtype,pool_dtype", WIDE)
+def test_wide_heads_equal_textbook_attention(head_dim, block_size, q_dtype, pool_dtype):
+    """Head dims 64 and 128 (SmolLM2's, Llama's) take the kernel's vector path where the CPU has
+    AVX-512: 16-token tiles over any block size, masked tails, one vector exp, and a bf16
+    query's dot products in bf16 on a bf16 pool. Lengths sit on both sides of every tile and
+    block edge; the pool is NaN wherever no sequence lives."""
+    torch.manual_seed(head_dim + block_size)
+    lens = [1, 15, 16, 17, 31, 33, 48, 100]
+    kv = PagedKV(lens, block_size, 3, head_dim=head_dim)
+    q = torch.randn(len(lens), 9, head_dim).to(q_dtype)
+    out = CppAttention().kernel.paged_decode(q, kv.k_nan.to(pool_dtype), kv.v_nan.to(pool_dtype),
+                                             None, None, kv.tables, kv.context_lens, SCALE)
+    dense = torch.cat([dense_attention(q[b:b + 1].float(), kv.k_dense[b].to(pool_dtype).float(),
+                                       kv.v_dense[b].to(pool_dtype).float(), [n - 1])
+                       for b, n in enumerate(lens)])
+    assert out.dtype == q_dtype
+    # fp32 arithmetic on the same numbers; a 16-bit result is rounded once more
+    assert rel_err(out.float(), dense) <= (1e-5 if q_dtype == torch.float32 else 2 ** -7)
+
+
 def test_bad_tables_are_errors_not_reads_outside_the_pool():
     kv = PagedKV([5, 9], 4, 2)
     q = torch.randn(2, 4, kv.k_ref.shape[-1])

@@ -132,15 +132,17 @@ def test_reference_decode_on_a_quantized_pool_equals_dequantize_then_attend(name
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2), (9, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cpp_decode_reads_a_quantized_pool_in_place(name, block_size, heads, kv_heads, dtype):
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_cpp_decode_reads_a_quantized_pool_in_place(name, block_size, heads, kv_heads, dtype,
+                                                    head_dim):
     """The kernel widens each stored row inside its loops (NaN-trapped pool: it must read exactly
     the rows the block tables list) and equals dequantize-then-attend: within 1e-5 relative in
     fp32; in fp64 within 1e-6 (the reference rounds each dequantized row through fp32, the
-    kernel multiplies the scale in fp64)."""
+    kernel multiplies the scale in fp64). Head dim 64 is the vector path's (int8 there)."""
     torch.manual_seed(block_size + heads)
-    kv = PagedKV(decode_lens(block_size), block_size, kv_heads)
+    kv = PagedKV(decode_lens(block_size), block_size, kv_heads, head_dim=head_dim)
     (kp, vp), (kd, vd) = quantized_pools(kv, name, dtype, trap=True)
-    q = torch.randn(len(kv.lens), heads, HEAD_DIM, dtype=dtype)
+    q = torch.randn(len(kv.lens), heads, head_dim, dtype=dtype)
     want = TorchAttention().decode(q, kd, vd, kv.tables, kv.context_lens, SCALE)
     got = CppAttention().decode(q, kp, vp, kv.tables, kv.context_lens, SCALE)
     assert got.dtype == dtype

@@ -96,14 +96,12 @@ class CppAttention(TorchAttention):
         if (self.kernel is None or q.device.type != "cpu"
                 or q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16)):
             return super().decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-        # A 16-bit model (--dtype bfloat16) computes attention in fp32, as the torch reference's
-        # softmax does: the query is widened (a few KB), the pool's 16-bit rows are widened as
-        # they are read, inside the kernel -- the context is never copied.
-        wide = q.float() if q.dtype in (torch.bfloat16, torch.float16) else q
+        # A 16-bit model (--dtype bfloat16) computes attention in fp32 as the torch reference's
+        # softmax does: the kernel widens the query (a few KB) and the pool's 16-bit rows as it
+        # reads them -- the context is never copied -- and takes a bf16 query's dot products
+        # with bf16 ones in place where the CPU has them (AVX512-BF16).
         if isinstance(k_cache, QuantizedPool):    # stored narrow: widened inside the kernel
-            out = self.kernel.paged_decode(wide, k_cache.data, v_cache.data, k_cache.scale,
-                                           v_cache.scale, block_tables, context_lens, scale)
-        else:
-            out = self.kernel.paged_decode(wide, k_cache, v_cache, None, None, block_tables,
-                                           context_lens, scale)
-        return out.to(q.dtype)
+            return self.kernel.paged_decode(q, k_cache.data, v_cache.data, k_cache.scale,
+                                            v_cache.scale, block_tables, context_lens, scale)
+        return self.kernel.paged_decode(q, k_cache, v_cache, None, None, block_tables,
+                                        context_lens, scale)

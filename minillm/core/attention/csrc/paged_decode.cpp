@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -78,15 +79,271 @@ static void decode_kernel(const T* q, const S* k_cache, const S* v_cache, const 
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// The fast path (AVX-512, fp32 arithmetic): what makes decode attention keep up with bf16 linears.
+//
+// The loop above spends most of its time outside the multiply-adds: every 64-long dot product
+// ends in a horizontal sum, every exp is a scalar call, and a 16-bit pool row is widened one
+// element at a time. Here one work item is (sequence, KV head) -- the g query heads that share a
+// KV head (SmolLM2: 3) are scored from one load of each K row -- and the context is walked in
+// tiles of 16 tokens:
+//   * a tile's K rows are widened to fp32 once (16-bit, int8) into a small buffer, then each
+//     query head takes 16 dot products as 16 vector accumulators and one transposing reduction
+//     (reduce16: 45 shuffles/adds for 16 sums instead of ~8 per sum);
+//   * exp is a vector polynomial (exp16), the softmax runs on whole vectors;
+//   * a tile's V rows are widened once and added into all g heads' outputs.
+// Work items are spread over threads by (sequence, KV head), so one long sequence still uses
+// three threads' worth of items and a batch of short ones balances.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {   // bf16 is fp32's top half: shift it up
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// r[j] = the sum of v[j]'s 16 lanes: pairs, then 128-bit lanes, folded together.
+static inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)   // lanes: v[2i], v[2i+1], v[2i], v[2i+1] per 128-bit lane
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)   // each 128-bit lane: one partial sum of v[4i .. 4i+3]
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                       _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): 2^n * 2^f, |f| <= 1/2, f's 2^f by its
+// Taylor series to degree 6 (relative error ~1e-7, fp32's own), 2^n by vscalefps.
+static inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)),
+                                 _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  static const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+  __m512 p = _mm512_set1_ps(c[6]);
+  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One tile's rows of one KV head as fp32 pointers: into the pool itself (fp32), or into `buf`
+// where the 16-bit / int8 rows are widened once for all the query heads that read them.
+template <typename S, int D>
+static inline void tile_rows(const S* pool, const int64_t* slots, int n, int64_t stride,
+                             float* buf, const float** rows) {
+  for (int j = 0; j < 16; ++j) {
+    if constexpr (std::is_same_v<S, float>) {
+      rows[j] = pool + slots[std::min(j, n - 1)] * stride;   // past the end: any valid row
+    } else {
+      float* dst = buf + j * D;
+      const S* src = pool + slots[std::min(j, n - 1)] * stride;
+      for (int c = 0; c < D; c += 16) _mm512_storeu_ps(dst + c, load16(src + c));
+      rows[j] = dst;
+    }
+  }
+}
+
+// A tile = 16 context tokens. With blocks of 16 (the default) a tile is one block: 16 tokens x
+// all KV heads, one contiguous stretch of the pool that the loop walks in order.
+struct Tile {
+  int64_t slots[16];
+  int n;
+  void fill(const int32_t* table, int64_t t0, int64_t L, int64_t block_size) {
+    n = int(std::min<int64_t>(16, L - t0));
+    for (int j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      slots[j] = int64_t(table[t / block_size]) * block_size + t % block_size;
+    }
+  }
+};
+
+// Ask for the rows of the tile at t0 (if any) some tiles before they are needed: blocks sit
+// anywhere in the pool, so the hardware cannot guess where the next one starts, and one tile's
+// arithmetic is too short to cover a trip to memory.
+template <typename S>
+static inline void prefetch_tile(const S* pool, const int32_t* table, int64_t t0, int64_t L,
+                                 int64_t block_size, int64_t row_bytes) {
+  if (t0 < 0 || t0 >= L) return;
+  const int64_t n = std::min<int64_t>(16, L - t0);
+  for (int64_t t = t0; t < t0 + n; ++t) {
+    const int64_t slot = int64_t(table[t / block_size]) * block_size + t % block_size;
+    const char* p = reinterpret_cast<const char*>(pool) + slot * row_bytes;
+    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+}
+constexpr int64_t kAhead = 3;   // tiles in flight ahead of the one computing
+
+// 16 scores of one query head against one tile's K rows, fp32 arithmetic.
+template <int D>
+static inline __m512 scores16(const float* qh, const float* const* rows) {
+  __m512 qv[D / 16], acc[16];
+  for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(qh + c * 16);
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j]));
+    for (int c = 1; c < D / 16; ++c)
+      acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + c * 16), acc[j]);
+  }
+  return reduce16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// The same from bf16 rows in place and a bf16 query, two products per instruction (vdpbf16ps):
+// a product of two bf16 numbers is exact in fp32, so only the order of the sum differs -- and
+// nothing is widened. Used when the model computes in bf16 (its query is bf16 already).
+template <int D>
+static inline __m512 scores16_bf16(const c10::BFloat16* qh, const c10::BFloat16* const* rows) {
+  __m512bh qv[D / 32];
+  __m512 acc[16];
+  for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; ++c)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + c * 32));
+  }
+  return reduce16(acc);
+}
+#endif
+
+// Decode attention for one sequence, all heads (see above). q, out: [H, D] fp32;
+// scores: [H, ceil16(L)] scratch; buf: [16, D] scratch.
+template <typename S, int D>
+static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache, const S* v_cache, const float* k_scale,
+                       const float* v_scale, const int32_t* table, int64_t L, int64_t H,
+                       int64_t KVH, int64_t block_size, float scale, float* out, float* scores,
+                       float* buf) {
+  constexpr int C = D / 16;
+  const int64_t g = H / KVH, Lp = (L + 15) / 16 * 16, stride = KVH * D;
+  const float* rows[16];
+  Tile tile;
+  const int64_t row_bytes = stride * sizeof(S);
+  for (int64_t a = 0; a < kAhead; ++a) prefetch_tile(k_cache, table, 16 * a, L, block_size, row_bytes);
+  // pass 1: scores, 16 tokens x one query head per reduction
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    tile.fill(table, t0, L, block_size);
+    const int64_t ahead = t0 + 16 * kAhead;     // past the end of K: V's first tiles
+    if (ahead < L) prefetch_tile(k_cache, table, ahead, L, block_size, row_bytes);
+    else prefetch_tile(v_cache, table, ahead - (L + 15) / 16 * 16, L, block_size, row_bytes);
+    const __mmask16 valid = __mmask16((1u << tile.n) - 1);
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      float ks[16];
+      for (int j = 0; j < 16; ++j)
+        ks[j] = scale * (k_scale && j < tile.n ? k_scale[tile.slots[j] * KVH + kvh] : 1.f);
+      const __m512 mult = _mm512_loadu_ps(ks);
+      const S* kpool = k_cache + kvh * D;
+      bool in_place = false;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<S, c10::BFloat16>) {
+        if (qb) {
+          in_place = true;
+          const S* krows[16];
+          for (int j = 0; j < 16; ++j) krows[j] = kpool + tile.slots[std::min(j, tile.n - 1)] * stride;
+          for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
+            _mm512_storeu_ps(scores + h * Lp + t0, _mm512_mask_blend_ps(valid,
+                _mm512_set1_ps(-INFINITY), _mm512_mul_ps(scores16_bf16<D>(qb + h * D, krows), mult)));
+        }
+      }
+#endif
+      if (!in_place) {
+        tile_rows<S, D>(kpool, tile.slots, tile.n, stride, buf, rows);
+        for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
+          _mm512_storeu_ps(scores + h * Lp + t0, _mm512_mask_blend_ps(valid,
+              _mm512_set1_ps(-INFINITY), _mm512_mul_ps(scores16<D>(q + h * D, rows), mult)));
+      }
+    }
+  }
+  // softmax per query head on whole vectors; a padding lane's e^ is masked to 0
+  for (int64_t h = 0; h < H; ++h) {
+    float* s = scores + h * Lp;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < Lp; t += 16) {
+      const __mmask16 live = t + 16 <= L ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx)));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < Lp; t += 16)
+      _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+  }
+  // pass 2: out = P V, each tile's V rows widened once for the g heads that read them
+  std::fill(out, out + H * D, 0.f);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    tile.fill(table, t0, L, block_size);
+    prefetch_tile(v_cache, table, t0 + 16 * kAhead, L, block_size, row_bytes);
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      tile_rows<S, D>(v_cache + kvh * D, tile.slots, tile.n, stride, buf, rows);
+      float vs[16];
+      for (int j = 0; j < tile.n; ++j) vs[j] = v_scale ? v_scale[tile.slots[j] * KVH + kvh] : 1.f;
+      for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h) {
+        __m512 o[C];
+        for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(out + h * D + c * 16);
+        const float* p = scores + h * Lp + t0;
+        for (int j = 0; j < tile.n; ++j) {
+          const __m512 pj = _mm512_set1_ps(p[j] * vs[j]);
+          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(rows[j] + c * 16), o[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + h * D + c * 16, o[c]);
+      }
+    }
+  }
+}
+
+template <typename S, int D>
+static void decode_fast(const float* q, const c10::BFloat16* qb, const S* k_cache, const S* v_cache, const float* k_scale,
+                        const float* v_scale, const int32_t* tables, const int32_t* lens,
+                        float* out, int64_t B, int64_t H, int64_t KVH, int64_t block_size,
+                        int64_t table_width, double scale) {
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(H * ((max_len + 15) / 16 * 16)), buf(16 * D);
+    for (int64_t b = begin; b < end; ++b)
+      decode_seq<S, D>(q + b * H * D, qb ? qb + b * H * D : nullptr, k_cache, v_cache, k_scale, v_scale, tables + b * table_width,
+                       lens[b], H, KVH, block_size, float(scale), out + b * H * D, scores.data(),
+                       buf.data());
+  });
+}
+#endif  // __AVX512F__
+
 template <typename T>
 static void dispatch_storage(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const float* ks, const float* vs,
                              const torch::Tensor& tables, const torch::Tensor& lens,
-                             torch::Tensor& out, double scale) {
+                             torch::Tensor& out, double scale, const c10::BFloat16* qb) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(2), bs = k_cache.size(1);
   auto run = [&](auto tag) {
     using S = decltype(tag);
+#if defined(__AVX512F__)
+    constexpr bool fast = std::is_same_v<T, float> &&
+        (std::is_same_v<S, float> || std::is_same_v<S, c10::BFloat16> ||
+         std::is_same_v<S, c10::Half> || std::is_same_v<S, int8_t>);
+    if constexpr (fast) {
+      auto go = [&](auto d) {
+        decode_fast<S, decltype(d)::value>(
+            q.data_ptr<float>(), qb, static_cast<const S*>(k_cache.data_ptr()),
+            static_cast<const S*>(v_cache.data_ptr()), ks, vs, tables.data_ptr<int32_t>(),
+            lens.data_ptr<int32_t>(), out.data_ptr<float>(), B, H, KVH, bs, tables.size(1), scale);
+      };
+      if (D == 64) return go(std::integral_constant<int, 64>());
+      if (D == 128) return go(std::integral_constant<int, 128>());
+    }
+#endif
     decode_kernel<T, S>(q.data_ptr<T>(), static_cast<const S*>(k_cache.data_ptr()),
                         static_cast<const S*>(v_cache.data_ptr()), ks, vs,
                         tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<T>(),
@@ -121,7 +378,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [B, H, D], caches [N, bs, KVH, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
-  q = q.contiguous();
+  // A 16-bit query (a bf16/fp16 model) is computed in fp32, as the torch reference's softmax is;
+  // a bf16 one is also handed over as it is, for the bf16 dot products of the fast path.
+  const auto q_type = q.scalar_type();
+  const torch::Tensor q16 = q_type == at::kBFloat16 ? q.contiguous() : torch::Tensor();
+  q = q.to(q_type == at::kDouble ? at::kDouble : at::kFloat).contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV pools must be contiguous");
@@ -146,9 +407,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float* vs = scale_ptr(v_scale, v_cache);
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "paged_decode", [&] {
-    dispatch_storage<scalar_t>(q, k_cache, v_cache, ks, vs, tables, lens, out, scale);
+    dispatch_storage<scalar_t>(q, k_cache, v_cache, ks, vs, tables, lens, out, scale,
+                               q16.defined() ? q16.data_ptr<c10::BFloat16>() : nullptr);
   });
-  return out;
+  return out.to(q_type);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
