@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from .attention.reference import AttentionMetadata, paged_attention
+from .fused import layer_ops, rope_heads
 from .linear import Linear, get_linear_kernel
 
 
@@ -56,6 +57,7 @@ class PagedLlama:
         self.layers = [self._layer(sd, f"model.layers.{i}.", k)
                        for i in range(c.num_hidden_layers)]
         self.cos, self.sin = self._rope_tables(hf_model, c.max_position_embeddings)
+        self.ops = layer_ops(self.embed.dtype, self.embed.device)   # fused.py: norm, RoPE, SiLU
 
     @staticmethod
     def _layer(sd: dict, p: str, kernel) -> LayerWeights:
@@ -85,14 +87,9 @@ class PagedLlama:
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x / sqrt(mean(x^2) + eps) * w, in fp32 like HF (one fused op instead of five)."""
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * w
+        return self.ops.rms_norm(x, w, self.eps)
 
-    @staticmethod
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate each head's halves by the position's angle (x: [T, heads, D], cos/sin: [T, D])."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos[:, None] + rotated * sin[:, None]
+    rope = staticmethod(rope_heads)    # x [T, heads, D] rotated (fused.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
@@ -133,16 +130,13 @@ class PagedLlama:
         for w, (k_cache, v_cache) in zip(self.layers[start:end], kv_caches):
             x = self.rms_norm(h, w.input_norm)
             qkv = w.qkv(x)
-            # q and k sit side by side in qkv: rotate all their heads in one go
-            qk = self.rope(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
+            q, k = self.ops.rope(qkv, cos, sin, H, KVH)
             v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
             with record_function("minillm::attention"):
                 attn = paged_attention(backend, q, k, v, k_cache, v_cache, meta, self.scale)
             h = w.o(attn.reshape(-1, H * D), residual=h)           # h + attn @ W_o.T
             x = self.rms_norm(h, w.post_norm)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = w.down(F.silu(gate) * up, residual=h)
+            h = w.down(self.ops.silu_mul(w.gate_up(x)), residual=h)
         return h
 
     def final_hidden(self, h: torch.Tensor) -> torch.Tensor:

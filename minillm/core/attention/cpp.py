@@ -48,20 +48,28 @@ def _flags() -> tuple[list[str], list[str]]:
 
 def load_kernel():
     """The compiled extension, or ``None`` (with the reason in ``kernel_error()``)."""
+    return load_extension(_SOURCE, _state, "the C++ paged-attention kernel",
+                          "the torch reference (same tokens, slower decode)")
+
+
+def load_extension(source: Path, state: dict, what: str, fallback: str, stem: str | None = None):
+    """Build (once per toolchain) and import ``source``, or ``None`` with the reason kept in
+    ``state["error"]`` and said once: ``what`` could not be built, ``fallback`` is used instead.
+    The fused layer ops (``core/fused.py``) load the same way."""
     with _lock:
-        if "module" in _state or "error" in _state:
-            return _state.get("module")
+        if "module" in state or "error" in state:
+            return state.get("module")
         if os.environ.get("MINILLM_CPP", "1") == "0":
-            _state["error"] = "MINILLM_CPP=0"
+            state["error"] = "MINILLM_CPP=0"
             return None
         cpp_build.build_timeout_s()   # a bad MINILLM_CPP_BUILD_TIMEOUT_S: an error, no fallback
         try:
-            _state["module"] = cpp_build.load_cached(_SOURCE, *_flags())
+            state["module"] = cpp_build.load_cached(source, *_flags(), **({"stem": stem} if stem else {}))
         except Exception as e:     # no compiler, no ninja, a failed or overrunning build: say why
-            _state["error"] = error_line(e)
-            warnings.warn(f"the C++ paged-attention kernel could not be built ({_state['error']}); "
-                          f"using the torch reference (same tokens, slower decode)", stacklevel=3)
-        return _state.get("module")
+            state["error"] = error_line(e)
+            warnings.warn(f"{what} could not be built ({state['error']}); using {fallback}",
+                          stacklevel=4)
+        return state.get("module")
 
 
 def error_line(e: Exception) -> str:

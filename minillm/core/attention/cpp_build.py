@@ -138,11 +138,11 @@ def build_timeout_s() -> float:
 
 
 # --- the asking process: import a finished build, or run the builder (bounded) -------------------
-def load_cached(source: Path, cflags: list[str], ldflags: list[str]):
-    """The compiled module, built first if this toolchain has no finished build yet; BuildError
-    (a failed, overrunning or locked-out build) says why not."""
+def load_cached(source: Path, cflags: list[str], ldflags: list[str], stem: str = "minillm_paged_decode"):
+    """The compiled module (named ``stem`` + a hash of its inputs), built first if this toolchain
+    has no finished build yet; BuildError (a failed, overrunning or locked-out build) says why."""
     timeout_s = build_timeout_s()
-    name = kernel_name(current_inputs(source, cflags, ldflags))
+    name = kernel_name(current_inputs(source, cflags, ldflags), stem)
     build_dir = build_root() / name
     done = build_dir / DONE_FILE
     if done.exists():

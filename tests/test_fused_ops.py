@@ -1,0 +1,89 @@
+"""The fused layer ops of a 16-bit model (core/fused.py, csrc/fused_ops.cpp) against the eager
+reference: the same numbers computed in fp32 and rounded once, so within one 16-bit rounding of
+eager torch (which rounds after every op), and exactly what fp32 arithmetic on the inputs gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.core import fused
+from minillm.core.fused import EagerOps, FusedOps, layer_ops, rope_heads
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ops() -> FusedOps:
+    chosen = layer_ops(torch.bfloat16, torch.device("cpu"))
+    if not isinstance(chosen, FusedOps):
+        pytest.skip(f"the fused ops cannot be built here: {fused._state.get('error')}")
+    return chosen
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error in units of the 16-bit type's rounding at the reference's magnitude (at
+    least the smallest normal number's: below it, fp16 keeps fewer digits)."""
+    info = torch.finfo(got.dtype)
+    unit = want.float().abs().clamp(min=info.tiny) * info.eps
+    return ((got.float() - want.float()).abs() / unit).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (130, 960)])
+def test_rms_norm_rounds_where_hf_rounds(ops, dtype, rows, hidden):
+    torch.manual_seed(rows)
+    x, w = (torch.randn(rows, hidden) * 3).to(dtype), (torch.rand(hidden) + 0.5).to(dtype)
+    want = (torch.nn.functional.rms_norm(x.float(), (hidden,), eps=1e-5).to(dtype).float()
+            * w.float()).to(dtype)                        # HF: narrow, then times the weight
+    got = ops.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    # the intermediate rounding may differ by one unit (another order of the sum of squares),
+    # carried through the weight, plus the final rounding
+    assert ulps(got, want) <= 2.0
+    assert ulps(got, EagerOps.rms_norm(x, w, 1e-5)) <= 2.0
+    assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 1, 128), (2, 2, 16)])
+def test_rope_is_one_rounding_of_the_rotation(ops, dtype, heads, kv_heads, d):
+    torch.manual_seed(heads * d)
+    rows = 33
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d).to(dtype)
+    angle = torch.rand(rows, d // 2).repeat(1, 2) * 6
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    q, k = ops.rope(qkv, cos, sin, heads, kv_heads)
+    exact = rope_heads(qkv.float()[:, :(heads + kv_heads) * d].view(rows, -1, d), cos.float(),
+                       sin.float())
+    assert q.is_contiguous() and k.is_contiguous()
+    assert q.shape == (rows, heads, d) and k.shape == (rows, kv_heads, d)
+    assert torch.equal(q, exact[:, :heads].to(dtype)) or ulps(q, exact[:, :heads]) <= 0.51
+    assert ulps(k, exact[:, heads:]) <= 0.51 or torch.equal(k, exact[:, heads:].to(dtype))
+    eq, ek = EagerOps.rope(qkv, cos, sin, heads, kv_heads)
+    scale = qkv.float().abs().max() * torch.finfo(dtype).eps * 4   # eager rounds 3 times
+    assert (q.float() - eq.float()).abs().max() <= scale
+    assert (k.float() - ek.float()).abs().max() <= scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_one_rounding(ops, dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(65, 2 * 1536) * 4).to(dtype)
+    got = ops.silu_mul(gate_up)
+    g, u = gate_up.float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(g) * u
+    assert got.shape == (65, 1536) and got.dtype == dtype
+    assert ulps(got, want) <= 0.51 + 1e-3
+
+
+def test_fp32_models_and_other_devices_keep_the_eager_ops():
+    assert type(layer_ops(torch.float32, torch.device("cpu"))) is EagerOps
+    assert type(layer_ops(torch.bfloat16, torch.device("meta"))) is EagerOps
+
+
+def test_wrong_inputs_are_errors_naming_them(ops):
+    with pytest.raises(RuntimeError, match="x must be a bf16 or fp16"):
+        ops.module.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"rope: qkv \[T, \(H \+ 2 KVH\) D\]"):
+        ops.module.rope(torch.randn(2, 40).bfloat16(), torch.randn(2, 8).bfloat16(),
+                        torch.randn(2, 8).bfloat16(), 2, 1)
