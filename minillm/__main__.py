@@ -175,9 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def close_engine(llm) -> None:
     """Stop what the engine started (the pipeline's worker processes) now, not at exit."""
-    close = getattr(llm.engine, "close", None)
-    if close is not None:
-        close()
+    llm.engine.close()
 
 
 def report(out: str, rows: list[dict], unfinished: int, metrics, failure: str | None,

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import (ContinuousBatchingConfig, GenerationConfig, LogitsProcessor,
                           LogitsProcessorList)
 
-from .engines.base import RunResult
+from .core.driver import RunResult
 from .engines.padded import left_pad
 from .memory import rectangle_counts
 from .metrics import StepRecord, summarize

@@ -361,7 +361,7 @@ def test_shutdown_ends_open_streams_with_an_error(tiny):
         with pytest.raises(openai.APIError, match="shutting down"):
             for _ in stream:
                 pass
-        wait_until(lambda: not app.state.loop._thread.is_alive(), what="the loop to stop")
+        wait_until(lambda: not app.state.loop.alive(), what="the loop to stop")
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks and not app.state.loop.handles
 

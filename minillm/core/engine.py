@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from ..memory import KVCounts, MemorySnapshot
 from ..request import FinishReason, Request, RequestError
-from ..engines.base import Engine, StepOutput
+from .interface import Engine, StepOutput
 from .attention import get_attention_backend
 from .beam import select_beams as core_select_beams
 from .block_manager import BlockManager
@@ -236,6 +236,19 @@ class PagedEngine(Engine):
         out.prefill_ms, out.decode_ms = ms * (n_all - n_dec) / n_all, ms * n_dec / n_all
         out.num_prefill_tokens, out.num_decode_tokens = n_all - n_dec, n_dec
         out.batch_size = len(sched.scheduled)
+
+    # --- what views may ask (core/interface.py) -----------------------------------------------------
+    def describe(self) -> dict:
+        return {**super().describe(), "policy": self.scheduler.policy.name,
+                "kv_cache_dtype": self.kv_format.name}
+
+    def requests_in_flight(self) -> tuple[list[Request], list[Request]]:
+        return ([g.request for g in self.scheduler.running],
+                [g.request for g in self.scheduler.waiting])
+
+    def live_tokens(self, request_id: str) -> list[int] | None:
+        group = self.groups.get(request_id)
+        return list(group.seqs[0].output_token_ids) if group is not None and group.seqs else None
 
     # --- memory -----------------------------------------------------------------------------------
     def _head(self) -> Request | None:

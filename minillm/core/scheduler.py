@@ -64,7 +64,7 @@ class Scheduler(StepCommit):
                  emit: Emit | None = None):
         """``select_beams`` makes each beam-search choice (the visualizer's replay passes one that
         replays a recorded search); ``emit(phase, request_id, data)`` tells the engine's observers
-        (``engines/observe.py``) of each choice made. ``policy``: a ``core.policy`` policy
+        (``core/observe.py``) of each choice made. ``policy``: a ``core.policy`` policy
         (``make_policy(config)``), or "fcfs"/"priority" with their defaults."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens

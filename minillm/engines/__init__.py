@@ -16,7 +16,8 @@ from typing import Callable
 
 from ..core.attention import get_attention_backend
 from ..core.config import Option, option_value, options_of
-from .base import Engine, RunResult, StepOutput
+from ..core.driver import RunResult
+from ..core.interface import Engine, StepOutput
 
 
 @dataclass(frozen=True)

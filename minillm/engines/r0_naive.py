@@ -20,7 +20,8 @@ from transformers import DynamicCache
 
 from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
-from .base import ContiguousEngine, StepOutput, timed_ms
+from ..core.interface import StepOutput, timed_ms
+from .base import ContiguousEngine
 
 
 class NaiveEngine(ContiguousEngine):

@@ -21,7 +21,8 @@ from transformers import StaticCache
 from ..core.config import option, set_checked
 from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
-from .base import ContiguousEngine, StepOutput, timed_ms
+from ..core.interface import StepOutput, timed_ms
+from .base import ContiguousEngine
 from .padded import hf_forward, left_pad
 
 

@@ -27,7 +27,8 @@ from transformers import DynamicCache
 from ..core.config import option, set_checked
 from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
-from .base import ContiguousEngine, StepOutput, timed_ms
+from ..core.interface import StepOutput, timed_ms
+from .base import ContiguousEngine
 from .padded import PaddedKV, hf_forward, left_pad
 
 

@@ -81,7 +81,7 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
 
     @app.get("/health")
     async def health():
-        if not loop._thread.is_alive():
+        if not loop.alive():
             raise APIError("the engine loop is not running", 503)
         if (why := loop.engine.health_error()) is not None:
             raise APIError(engine_failed_message(why), 503, code="engine_failed",

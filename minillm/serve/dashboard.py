@@ -67,14 +67,13 @@ class Dashboard:
     def build(self, now: float) -> None:
         """The frame after the latest step (loop thread only, or before the loop starts)."""
         loop, eng = self.loop, self.loop.engine
+        about = eng.describe()
         self.tokens.append((now, loop.metrics.generation_tokens))
         (t_a, n_a), (t_b, n_b) = self.tokens[0], self.tokens[-1]
         self.frame = {
             "step": loop.step_count, "time_s": round(now - self.t0, 3),
             "engine": eng.name, "model": eng.model.name,
-            "policy": getattr(getattr(eng, "scheduler", None), "policy", None) and
-            eng.scheduler.policy.name,
-            "kv_cache_dtype": getattr(getattr(eng, "kv_format", None), "name", None),
+            "policy": about.get("policy"), "kv_cache_dtype": about.get("kv_cache_dtype"),
             "running": [self.row(r) for r in self.requests(running=True)],
             "waiting": self.waiting(),
             "kv": kv_json(eng.snapshot()),
@@ -83,9 +82,8 @@ class Dashboard:
                       "finished": self.num_finished, "preemptions": eng.num_preemptions,
                       "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
         }
-        prefill = getattr(eng, "prefill_snapshot", None)      # rung 11: the other pool
-        if prefill is not None:
-            picture = prefill()
+        if eng.has_prefill_pool:                               # rung 11: the other pool
+            picture = eng.prefill_snapshot()
             self.frame["kv_prefill"] = None if picture is None else kv_json(picture)
         if (moved := loop.metrics.transfers) is not None:
             seconds, nbytes = moved
@@ -98,23 +96,20 @@ class Dashboard:
         """The waiting queue; with the disagg engine also the requests still on their way to
         the decode pool, with their stage (prefilling, prefilled, in transfer)."""
         rows = [self.row(r, text=False) for r in self.requests(running=False)]
-        stages = getattr(self.loop.engine, "stages", None)
-        if stages is not None:
-            rows += [{**self.row(r, text=False), "stage": stage}
-                     for stage, reqs in stages().items() for r in reqs]
+        rows += [{**self.row(r, text=False), "stage": stage}
+                 for stage, reqs in self.loop.engine.stages().items() for r in reqs]
         return rows
 
     def requests(self, running: bool) -> list:
-        sched = getattr(self.loop.engine, "scheduler", None)
-        if sched is not None:
-            return [g.request for g in (sched.running if running else sched.waiting)]
+        lists = self.loop.engine.requests_in_flight()
+        if lists is not None:
+            return lists[0] if running else lists[1]
         started = [h.request for h in self.loop.handles.values()]
         return [r for r in started if bool(r.output_token_ids) == running]
 
     def row(self, req, text: bool = True) -> dict:
-        group = getattr(self.loop.engine, "groups", {}).get(req.request_id)
-        live = group is not None and group.seqs      # n > 1: show the first sample
-        out = group.seqs[0].output_token_ids if live else req.output_token_ids
+        live = self.loop.engine.live_tokens(req.request_id)    # n > 1: the first sample
+        out = live if live is not None else req.output_token_ids
         row = {"id": req.request_id, "prompt_len": req.prompt_len, "tokens": len(out),
                "max_tokens": req.params.max_tokens, "n": req.params.n,
                "preemptions": req.num_preemptions, "priority": req.priority}

@@ -4,7 +4,7 @@ This is continuous batching as a server does it (notebook 02 teaches the idea of
 arrive whenever clients send them, and each one joins the running batch at the *next* engine step.
 The engine is not thread-safe and need not be: only the loop thread touches it. Handlers (on the
 asyncio event loop) put ``("add", (at, request))`` and ``("abort", id)`` into a thread-safe inbox;
-the loop thread runs the one driver (``engines.driver.Driver`` on a ``WallClock``, the inbox as
+the loop thread runs the one driver (``core.driver.Driver`` on a ``WallClock``, the inbox as
 its ``InboxArrivals``), which drains the inbox between steps and runs ``engine.step()``; after each
 step the loop hands each request's new token ids (and finally its ``Request``) back to that
 request's ``asyncio.Queue`` with ``call_soon_threadsafe``, the one safe way to wake an event loop
@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engines.base import Engine, StepOutput
-from ..engines.driver import Driver, InboxArrivals, WallClock
+from ..core.interface import Engine, StepOutput
+from ..core.driver import Driver, InboxArrivals, WallClock
 from ..metrics import StepRecord
 from ..request import Request, RequestError, RequestOutput
 from .metrics import ServerMetrics
@@ -115,6 +115,10 @@ class EngineLoop:
     def start(self) -> "EngineLoop":
         self._thread.start()
         return self
+
+    def alive(self) -> bool:
+        """Whether the loop thread still runs (the server's /health asks)."""
+        return self._thread.is_alive()
 
     def submit(self, req: Request, validated: bool = False) -> asyncio.Queue:
         """Accept ``req`` (RequestError if it can never run, QueueFull if the queue is full,

@@ -99,7 +99,7 @@ class ServerMetrics:
             self.generation_tokens += num_tokens
 
     def observe(self, event) -> None:
-        """An engine observer (``engines/observe.py``) of rung 11's ``"transferred"`` phase: one
+        """An engine observer (``core/observe.py``) of rung 11's ``"transferred"`` phase: one
         event per request whose prompt's KV blocks came from the prefill worker."""
         with self.lock:
             if self.transfers is None:

@@ -103,7 +103,8 @@ def ms(k: dict, key: str) -> str:
 
 
 def class_table(per_server: dict[str, dict], mix: str = "policies") -> str:
-    """One markdown row per (server, class): what the README's policy and disagg tables show."""
+    """One markdown row per (server, class): the tables of docs/rungs/08_policies.md and
+    11_disagg.md."""
     lines = ["| server | class | completed | TTFT P50 / P99 (ms) | TPOT P50 / P99 (ms) | "
              "ITL P50 / P99 (ms) | within objectives | goodput (req/s) | output tok/s |",
              "|" + "---|" * 9]

@@ -108,7 +108,7 @@ class _Common(BaseModel):
                 raise APIError(f"'{name}' is not supported by minillm (got {value!r:.60})",
                                param=name, code="unsupported_field")
             raise APIError(f"'{name}' is not supported by minillm: it is not a field of this "
-                           "endpoint that minillm knows (see the README, 'Serve it')",
+                           "endpoint that minillm knows (see docs/SERVING.md, 'Fields')",
                            param=name, code="unsupported_field")
 
     def stop_strings(self) -> list[str]:

@@ -20,7 +20,7 @@ class TwoPoolView(LiveMemoryView):
     """``LiveMemoryView`` of a ``DisaggEngine``: ``view.watch(engine, requests)``."""
 
     def __init__(self, engine, **kwargs):
-        if not callable(getattr(engine, "prefill_snapshot", None)):
+        if not engine.has_prefill_pool:
             raise TypeError(f"TwoPoolView watches the disagg engine (one with a prefill worker), "
                             f"not {type(engine).__name__}")
         kwargs.setdefault("figsize", (12, 4.2))

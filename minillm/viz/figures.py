@@ -1,7 +1,7 @@
 """``python -m minillm.viz.figures`` (``make figures``): every notebook's key figure as a PNG.
 
 Small runs of the same kind as the notebooks', drawn by ``notebook_figures.py`` and written into
-``figures/`` (the README shows them):
+``figures/`` (docs/RESULTS.md shows them):
 
     00_kv_cache_cost.png    per-token time without vs with the KV cache, and KV bytes growing
     01_static_batch.png     a static batch: finished requests still holding their slots

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..engines.driver import Driver, ScheduledArrivals, StepClock
+from ..core.driver import Driver, ScheduledArrivals, StepClock
 from ..engines.r5_allocators import ALLOCATORS, make_allocator
 from ..core.beam import BeamChoice
 from ..core.engine import PagedEngine
@@ -112,7 +112,7 @@ def simulate(requests: list[SimRequest], allocator: str = "paged", config: SimCo
              max_steps: int = 100_000) -> SimResult:
     """Serve ``requests`` under ``allocator``; one ``StepRecord`` (and snapshot) per engine step.
 
-    The one driver (``engines.driver``) on a clock of steps: before each step, every request whose
+    The one driver (``core.driver``) on a clock of steps: before each step, every request whose
     ``arrival_step`` has come is added (in list order among equals); one the engine would reject
     (it could never fit the memory alone) is rejected. With ``config.idle_steps`` an empty system
     still ticks (synthetic timelines where arrival steps are clock time); without it, like the

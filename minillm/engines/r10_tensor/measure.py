@@ -1,5 +1,5 @@
 """Tensor vs pipeline parallelism on one workload: tokens, throughput, time to first token,
-all-reduce share and KV bytes per rank (notebook 10; the README's table).
+all-reduce share and KV bytes per rank (notebook 10; docs/rungs/10_tensor.md's table).
 
     python -m minillm.engines.r10_tensor.measure --model smollm2-135m-instruct \\
         --layouts 1x1,1x2,3x1,3x2 --requests 16 --max-tokens 32

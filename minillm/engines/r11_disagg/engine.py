@@ -35,7 +35,7 @@ from ...core.engine import PagedEngine
 from ...memory import MemorySnapshot
 from ...checks import check_field
 from ...request import FinishReason, Request, RequestError
-from ..base import StepOutput
+from ...core.interface import StepOutput
 from ..r7_pipeline.comm import PipelineError, deferred_interrupt
 from ..r7_pipeline.launcher import WorkerGroup, launch
 from .config import DisaggConfig
@@ -60,6 +60,7 @@ class Transfer:
 class DisaggEngine(PagedEngine):
     name = "disagg"
     supports_parallel = False    # n > 1 and beams: refused (validate says why)
+    has_prefill_pool = True
     configs = PagedEngine.configs + (DisaggConfig,)
 
     def __init__(self, model, *, group: WorkerGroup | None = None, **options):

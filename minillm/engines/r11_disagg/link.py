@@ -1,4 +1,4 @@
-"""What link disaggregation needs (notebook 11, the README): the KV bytes of a prompt, and the
+"""What link disaggregation needs (notebook 11, docs/rungs/11_disagg.md): the KV bytes of a prompt, and the
 bandwidth that keeps up with a prefill worker at GPU speed.
 
 A prefill worker that computes ``r`` prompt tokens per second hands ``r × kv_bytes_per_token``

@@ -1,5 +1,5 @@
 """Interference, measured: steady decodes while long prompts arrive, in one engine and
-disaggregated (notebook 11; the README's table).
+disaggregated (notebook 11; docs/rungs/11_disagg.md's table).
 
     python -m minillm.engines.r11_disagg.measure --model smollm2-135m-instruct \\
         --steady 8 --long 6 --long-len 512 --long-every 0.6

@@ -17,7 +17,7 @@ from ...core.engine import PagedEngine
 from ...core.runner import reaching_end
 from ...core.scheduler import SequenceGroup
 from ...request import FinishReason, Request, RequestError, SamplingParams
-from ..base import StepOutput
+from ...core.interface import StepOutput
 from ..r7_pipeline.comm import IDLE_TIMEOUT_S, Comm, PipelineError
 from .transfer import Command, Handoff, Reply, filled_blocks, send_blocks
 

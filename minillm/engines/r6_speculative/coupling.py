@@ -1,5 +1,5 @@
 """How often a truncated-layer draft's guess is kept, per position, under three rules (notebook 06;
-the README's numbers for the seed promise's price):
+docs/rungs/06_speculative.md's numbers for the seed promise's price):
 
     python -m minillm.engines.r6_speculative.coupling --temperature 1.0
 

@@ -22,7 +22,7 @@ by the seeded draw, and it is exact: every emitted token *is* plain decoding's s
   ``min(1, p / q)`` accepts (``sum(min(p, q))``, the best any rule can do): both draws walk the
   vocabulary sorted by their own distribution, so where ``q`` orders the tokens differently they
   part, most on flat distributions. That is the price of a sample that never depends on the batch
-  (README, "Speculative decoding": measured).
+  (docs/rungs/06_speculative.md: measured).
 
 Unseeded sampling (``accept_sampled``: Leviathan et al. 2023; Chen et al. 2023) makes no batch
 promise, so it keeps the rejection rule that accepts most: guess ``d`` drawn from ``q`` is kept with

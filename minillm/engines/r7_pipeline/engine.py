@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import StepOutput
+from ...core.interface import StepOutput
 from ...core.engine import PagedEngine
 from ...core.model import PagedLlama
 from ...core.scheduler import SchedulerOutput
@@ -71,7 +71,7 @@ class PipelineEngine(PagedEngine):
         torchrun = group is None and under_torchrun()   # one process per rank, from torchrun
         if group is None and not torchrun and model.device.type != "cpu":
             raise ValueError("spawning pipeline workers works on one CPU machine; on GPUs start "
-                             "one process per GPU with torchrun (see the README)")
+                             "one process per GPU with torchrun (see docs/rungs/07_pipeline.md)")
         # PagedEngine checks every option, then builds rank 0's stage (``make_runner``), all
         # before any process is started.
         super().__init__(model, **options)

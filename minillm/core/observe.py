@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 if TYPE_CHECKING:
-    from .base import Engine
+    from .interface import Engine
 
 Phase = Literal["preempted", "computed", "beam", "verified", "transferred", "stepped"]
 PHASES: tuple[Phase, ...] = ("preempted", "computed", "beam", "verified", "transferred",

@@ -36,7 +36,7 @@ from ..metrics import RunMetrics, StepRecord, summarize
 from ..request import FinishReason, Request, RequestError, RequestOutput
 
 if TYPE_CHECKING:
-    from .base import Engine, StepOutput
+    from .interface import Engine, StepOutput
 
 Idle = Literal["wait", "tick", "admit"]        # what the driver does when nothing runs
 OnStepped = Callable[["StepOutput", StepRecord], None]
