@@ -73,7 +73,7 @@ bench-policies: setup
 # Rung 9: the accuracy price of each kv_cache_dtype, then make bench's kv_dtype experiment alone
 # (one KV budget, each format: requests at once, tok/s). ~4 min.
 bench-kv: setup
-	$(BIN)/python -m minillm.kv_accuracy --json figures/kv_accuracy.json
+	$(BIN)/python -m minillm.bench.kv_accuracy --json figures/kv_accuracy.json
 	$(BIN)/python -m minillm bench --quick --engines paged --experiments kv_dtype --json figures/bench_kv.json --no-figure
 
 # Rung 11: one engine vs prefill and decode disaggregated (and with short prompts local), under
@@ -87,8 +87,8 @@ bench-full: setup
 # Where a decode step's time goes, at 1-256 running sequences (torch.profiler, per component),
 # in fp32 and bf16 side by side; then what bf16 costs in accuracy (KL, perplexity, greedy).
 profile: setup
-	$(BIN)/python -m minillm.profile_step --dtype float32,bfloat16
-	$(BIN)/python -m minillm.dtype_accuracy --json figures/dtype_accuracy.json
+	$(BIN)/python -m minillm.bench.profile_step --dtype float32,bfloat16
+	$(BIN)/python -m minillm.bench.dtype_accuracy --json figures/dtype_accuracy.json
 
 figures: setup
 	$(BIN)/python -m minillm.viz.figures
@@ -98,7 +98,7 @@ html: setup
 	$(BIN)/python -m minillm.lab export
 
 kernels: setup
-	$(BIN)/python -m minillm.bench_kernels
+	$(BIN)/python -m minillm.bench.kernels
 
 # The classroom labs (docs/TEACHING.md): `make start EX=03`, write the TODOs, `make check EX=03`.
 # (EX: the exercise; STEP= still works, from before exercises were numbered by rung.)

@@ -196,7 +196,7 @@ def report(out: str, rows: list[dict], unfinished: int, metrics, failure: str | 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .serve.loadgen import main as serve_bench_main, serve_only_flags
+    from .bench.loadgen import main as serve_bench_main, serve_only_flags
 
     if args.serve:   # against a running server: no model is loaded here
         return serve_bench_main(args)
@@ -204,7 +204,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: {', '.join(serve_only_flags(args))} only apply with --serve URL",
               file=sys.stderr)
         return 2
-    from .bench import main as bench_main
+    from .bench.offline import main as bench_main
 
     return bench_main(args)
 
@@ -235,10 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(g)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="run engines side by side on one workload")
-    from .bench import add_bench_args
+    from .bench.offline import add_bench_args
     add_bench_args(b)
     add_model_args(b)
-    from .serve.loadgen import add_serve_bench_args
+    from .bench.loadgen import add_serve_bench_args
     add_serve_bench_args(b)
     add_engine_options(b)
     b.set_defaults(func=cmd_bench)

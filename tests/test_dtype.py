@@ -8,7 +8,7 @@ import torch
 
 from minillm import LLM, SamplingParams, load_model
 from minillm import models
-from minillm.kv_accuracy import kl_and_perplexity, passage_logprobs
+from minillm.bench.kv_accuracy import kl_and_perplexity, passage_logprobs
 
 CPU = torch.device("cpu")
 
@@ -93,7 +93,7 @@ def test_bf16_forward_is_as_close_to_fp32_as_hugging_faces(name):
 
 
 def test_dtype_accuracy_report(capsys):
-    from minillm import dtype_accuracy
+    from minillm.bench import dtype_accuracy
 
     assert dtype_accuracy.main(["--model", "tiny-llama", "--prompts", "3",
                                 "--max-tokens", "5"]) == 0

@@ -87,3 +87,10 @@ def test_wrong_inputs_are_errors_naming_them(ops):
     with pytest.raises(RuntimeError, match=r"rope: qkv \[T, \(H \+ 2 KVH\) D\]"):
         ops.module.rope(torch.randn(2, 40).bfloat16(), torch.randn(2, 8).bfloat16(),
                         torch.randn(2, 8).bfloat16(), 2, 1)
+
+
+def test_fused_ops_travel_to_worker_processes_by_pickle(ops):
+    """Pipeline and tensor-parallel workers receive the model pickled: the ops re-load there."""
+    import pickle
+    again = pickle.loads(pickle.dumps(ops))
+    assert isinstance(again, FusedOps) and again.module is ops.module    # same process: cached

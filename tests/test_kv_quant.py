@@ -304,10 +304,10 @@ def test_16_bit_cache_gives_hf_greedy_tokens_within_the_near_tie_rule(smol, name
 def test_int8_and_fp8_accuracy_is_within_what_was_measured(smol):
     """``kv_accuracy.measure`` on docs/rungs/09_quantized_kv.md's settings (32 bundled chat
     prompts x 64 greedy tokens, the shipped passage). Measured on this CPU (python -m
-    minillm.kv_accuracy): int8 47% of outputs identical to fp32's, KL 5.3e-4, perplexity 36.04 vs 36.01; fp8 22%,
+    minillm.bench.kv_accuracy): int8 47% of outputs identical to fp32's, KL 5.3e-4, perplexity 36.04 vs 36.01; fp8 22%,
     KL 3.0e-3, 36.38. The bounds leave room for another CPU's rounding, and fail if a format
     gets markedly worse (a wrong scale, a read of the wrong rows: KL jumps by orders)."""
-    from minillm.kv_accuracy import measure
+    from minillm.bench.kv_accuracy import measure
 
     rows = {r["kv_cache_dtype"]: r for r in measure(smol, ("int8", "fp8"), progress=None)}
     ppl = rows["auto"]["perplexity"]

@@ -108,7 +108,7 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
     """``make profile``'s floor runs every matrix product of the model: its FLOPs are 2 x rows x
     the weights of all the HF model's nn.Linear modules (lm_head included), and a run on the
     tiny model prints one row per row count with its ratio to that floor."""
-    from minillm import profile_step
+    from minillm.bench import profile_step
     from minillm.core.model import PagedLlama
 
     net = PagedLlama(tiny.hf_model)
@@ -134,7 +134,7 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
 def test_profile_busy_cores_are_stopped():
     """``make profile --busy N``: N spinning processes while measuring, none left afterwards,
     also when the measurement fails."""
-    from minillm.profile_step import busy_cores
+    from minillm.bench.profile_step import busy_cores
 
     with pytest.raises(RuntimeError, match="measuring failed"):
         with busy_cores(2) as hogs:

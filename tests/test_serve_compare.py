@@ -12,8 +12,8 @@ import time
 import pytest
 
 from minillm.__main__ import main
-from minillm.serve import compare
-from minillm.serve.loadgen import RANDOM_IDS, make_bodies
+from minillm.bench import compare
+from minillm.bench.client import RANDOM_IDS, make_bodies
 
 
 def alive(pgid: int) -> bool:
@@ -126,7 +126,7 @@ def test_the_engine_loop_computes_with_the_threads_it_is_given(tiny):
 def test_mixed_workload_compares_policies_per_class(tmp_path, monkeypatch, spawned, capsys):
     """``--mix`` against two policies of minillm's server: the same classes and bodies reach both,
     each gets the per-class report (TTFT/TPOT, goodput), the servers run with --policy."""
-    from minillm.serve import mixed
+    from minillm.bench import mixed
 
     monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
     monkeypatch.setitem(mixed.MIXES, "policies", (
@@ -159,7 +159,7 @@ def test_disagg_mix_compares_one_engine_with_two_workers(tmp_path, monkeypatch, 
     """``--serve minillm,minillm:disagg --mix disagg``: steady and long requests reach the paged
     server and the disaggregated one (started with --engine disagg, its prefill worker a child
     of the server's process group); each gets the per-class report; nothing is left running."""
-    from minillm.serve import mixed
+    from minillm.bench import mixed
 
     monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
     monkeypatch.setitem(mixed.MIXES, "disagg", (

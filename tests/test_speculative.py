@@ -231,7 +231,7 @@ def test_cli_speculative_flags(tmp_path):
 
 @pytest.mark.slow
 def test_bench_experiment_rows(tiny):
-    from minillm.bench import exp_speculative, format_spec_table
+    from minillm.bench.offline import exp_speculative, format_spec_table
 
     rows = exp_speculative(tiny, 4, 0, {"max_num_seqs": 2, "block_size": 4}, lengths=(4, 6))["rows"]
     assert [(r["workload"], r["batch"], r["engine"]) for r in rows][:3] == \

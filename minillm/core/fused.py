@@ -62,6 +62,11 @@ class FusedOps(EagerOps):
     def __init__(self, module):
         self.module = module
 
+    def __reduce__(self):
+        # A pipeline or tensor-parallel worker gets the model by pickle: the extension module
+        # does not pickle, so the worker loads its own (the same cached build) or the eager ops.
+        return (_for_16_bit, ())
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return self.module.rms_norm(x.contiguous(), w, eps)
 
@@ -77,6 +82,10 @@ def layer_ops(dtype: torch.dtype, device: torch.device) -> EagerOps:
     """``FusedOps`` for a 16-bit model on the CPU where the extension builds, else ``EagerOps``."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return EagerOps()
+    return _for_16_bit()
+
+
+def _for_16_bit() -> EagerOps:
     module = load_extension(_SOURCE, _state, "the fused layer ops", "the eager torch ops",
                             stem="minillm_fused_ops")
     return FusedOps(module) if module is not None else EagerOps()

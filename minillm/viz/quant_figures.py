@@ -2,7 +2,7 @@
 quantized differently from values (KIVI), the same budget under each format, the accuracy price.
 
 Everything is measured on the real engine: K/V rows come out of a real pool after a real prefill
-(``pool_rows``), budgets and concurrency from engine runs, accuracy from ``minillm.kv_accuracy``.
+(``pool_rows``), budgets and concurrency from engine runs, accuracy from ``minillm.bench.kv_accuracy``.
 """
 from __future__ import annotations
 

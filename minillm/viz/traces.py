@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..core.policy import policy_options
 from ..core.observe import StepEvent
+from ..llm import LLM
 from ..request import Request
 from .accounting import SimConfig, SimResult
 from .replay import simulate
@@ -136,7 +137,6 @@ def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progr
 
     The engine must be fresh (no step run yet): a replay starts from an empty pool, and a used
     pool remembers its free-block order and, with prefix caching, its cached blocks."""
-    from ..llm import LLM      # the viz package is imported by llm's own import tree
     engine = llm_or_engine.engine if isinstance(llm_or_engine, LLM) else llm_or_engine
     if engine.total_steps:
         raise ValueError("record a trace on a fresh engine (this one has already run "

@@ -147,7 +147,7 @@ def test_the_engine_on_an_int8_cache_stays_close_to_full_precision():
     the package's code gives a mean KL of 1.8e-3 (fp64); a lost scale or truncated codes give
     far more."""
     from minillm import load_model
-    from minillm.kv_accuracy import kl_and_perplexity, passage_logprobs
+    from minillm.bench.kv_accuracy import kl_and_perplexity, passage_logprobs
 
     model = load_model("tiny-llama", dtype=torch.float64)
     rng = random.Random(9)

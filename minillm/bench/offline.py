@@ -10,23 +10,18 @@ budget under each ``kv_cache_dtype`` (rung 9, bench_kv.py). Results: JSON and ``
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from . import peers, vllm_peer
-from .bench_kv import budget_bytes, exp_kv_dtype
-from .engines import ENGINES, REGISTRY, options_for, options_from
-from .metrics import RunMetrics
+from .kv import budget_bytes, exp_kv_dtype
+from .run import PEERS, run_engine, warmup_items
+from ..engines import ENGINES, REGISTRY, options_for, options_from
+from ..metrics import RunMetrics
 
-FIGURES = Path(__file__).resolve().parent.parent / "figures"
-# The peers, by name: each a function (model, requests, options, progress) -> RunResult. The HF
-# baselines (peers.py) and vLLM on the CPU (vllm_peer.py, which warms up inside its own process).
-PEERS = {"hf-static": peers.hf_static, "hf-generate-batch": peers.hf_generate_batch,
-         "vllm-cpu": vllm_peer.vllm_cpu}
+FIGURES = Path(__file__).resolve().parents[2] / "figures"
 WARMS_UP_ITSELF = {"vllm-cpu"}
 ALL_ENGINES = ENGINES + tuple(PEERS)
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
@@ -56,27 +51,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- running one engine ---------------------------------------------------------------------------
-def run_engine(model, name: str, items, options: dict, progress: bool = True):
-    """Serve a workload with engine ``name`` (ours or an HF peer) and return its RunResult."""
-    from .llm import LLM
-    from .workload import to_requests
-
-    if name in PEERS:
-        encoder = LLM(model, engine="naive")       # only used to turn prompts into token ids
-        return PEERS[name](model, to_requests(encoder, items), options, progress)
-    llm = LLM(model, engine=name, **options_for(name, options))
-    try:
-        return llm.run(to_requests(llm, items), progress=progress)
-    finally:
-        del llm       # its KV pool and weights sit in a reference cycle: free them now, or a
-        gc.collect()  # benchmark of many runs holds them all (notebook 06 reached 18 GB)
 
 
 def single_stream(model, name: str, items, options: dict, k: int = 4) -> dict:
     """The first ``k`` requests one at a time (as vLLM's row does): output tok/s with no batch to
     hide per-step costs behind, and time to first token."""
-    from .llm import LLM
-    from .workload import to_requests
+    from ..llm import LLM
+    from ..workload import to_requests
 
     llm = LLM(model, engine=name, **options_for(name, options))
     outs = [llm.run(to_requests(llm, [it]), progress=False).outputs[0] for it in items[:k]]
@@ -90,7 +71,7 @@ def measure_matmul_gflops() -> float:
     """This machine's fp32 matmul peak, measured: the ceiling any engine could reach -- the best
     of torch's ``@`` (MKL on x86) and the engine's default linear kernel (core/linear.py) on a
     2048^3 product."""
-    from .core.linear import TorchLinear, get_linear_kernel, matmul_gflops
+    from ..core.linear import TorchLinear, get_linear_kernel, matmul_gflops
 
     best = get_linear_kernel(None, torch.device("cpu"), torch.float32)
     return max(matmul_gflops(TorchLinear()), matmul_gflops(best))
@@ -110,12 +91,6 @@ def roofline_fraction(m: RunMetrics, gflop_per_token: float, peak_gflops: float)
     return work / m.duration_s / peak_gflops if m.duration_s else 0.0
 
 
-def warmup_items(items):
-    """Two short requests: the first forward passes of any engine pay one-off costs (allocator,
-    kernel selection) that would otherwise be billed to whichever engine runs first."""
-    from .workload import WorkItem
-
-    return [WorkItem(it.prompt, type(it.params)(max_tokens=4, ignore_eos=True)) for it in items[:2]]
 
 
 # --- the main table ---------------------------------------------------------------------------------
@@ -199,8 +174,8 @@ def exp_prefix(model, n: int, seed: int, options: dict) -> dict:
 
     One earlier request has already been served (as on any live server), so the system prompt's
     blocks are in the cache when the measured requests arrive."""
-    from .llm import LLM
-    from .workload import make_workload, to_requests
+    from ..llm import LLM
+    from ..workload import make_workload, to_requests
 
     items = make_workload(n, seed, shared_prefix=True, short=(8, 32), long=(32, 64), p_long=0.2)
     out = {}
@@ -221,7 +196,7 @@ def exp_prefix(model, n: int, seed: int, options: dict) -> dict:
 def exp_parallel(model, n: int, seed: int, options: dict) -> dict:
     """n = 4 samples of one prompt share its blocks; four independent requests do not."""
     from dataclasses import replace
-    from .workload import make_workload
+    from ..workload import make_workload
 
     shared = make_workload(n, seed, n=4, short=(32, 64), long=(64, 96), p_long=0.3)
     independent = [replace(it, params=replace(it.params, n=1, seed=seed + k))
@@ -239,7 +214,7 @@ def exp_capacity(model, n: int, seed: int, options: dict, reserve_tokens: int = 
                  budget_requests: int = 2) -> dict:
     """At one KV budget (``budget_requests`` max-length reservations), how many requests run at
     once when memory is paged?"""
-    from .workload import make_workload
+    from ..workload import make_workload
     budget = budget_requests * reserve_tokens * model.kv_bytes_per_token
     items = make_workload(n, seed)
     res = run_engine(model, "paged", items, {**options, "kv_cache_bytes": budget, "max_num_seqs": n})
@@ -256,7 +231,7 @@ def exp_speculative(model, n: int, seed: int, options: dict,
     requests (``lengths`` output tokens), one request at a time (batch 1, ``n // 16`` requests)
     and at the concurrency cap (``n`` requests, all at once). Speed-up is output tok/s over plain
     paged's on the same requests. Notebook 06 runs it small."""
-    from .workload import CHAT_MIX, make_copy_workload, make_workload
+    from ..workload import CHAT_MIX, make_copy_workload, make_workload
 
     cap = options.get("max_num_seqs", 64)
     workloads = {"chat": make_workload(n, seed, categories=CHAT_MIX, short=lengths,
@@ -303,9 +278,9 @@ def format_spec_table(rows: list[dict]) -> str:
 
 # --- entry point ---------------------------------------------------------------------------------
 def main(args: argparse.Namespace) -> int:
-    from .llm import check_threads
-    from .models import dtype_name, load_model
-    from .workload import CHAT_MIX, make_workload
+    from ..llm import check_threads
+    from ..models import dtype_name, load_model
+    from ..workload import CHAT_MIX, make_workload
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ALL_ENGINES]
@@ -344,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(results, indent=1))
     print(f"\nresults -> {out}")
     if not args.no_figure:
-        from .viz.plots import plot_bench
+        from ..viz.plots import plot_bench
         path = plot_bench(results, FIGURES / "bench.png")
         print(f"figure  -> {path}")
     return 0

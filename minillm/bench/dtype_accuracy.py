@@ -1,4 +1,4 @@
-"""What computing in bf16 costs, measured: ``python -m minillm.dtype_accuracy`` (``make profile``).
+"""What computing in bf16 costs, measured: ``python -m minillm.bench.dtype_accuracy`` (``make profile``).
 
 Rung 9 measures a narrower KV cache against the model's own; this measures a narrower *model*
 (``--dtype bfloat16``: weights, activations and KV in bf16; norms, softmax and logits in fp32)
@@ -23,8 +23,8 @@ from .kv_accuracy import PASSAGE, agreement, greedy_outputs, kl_and_perplexity, 
 def measure(name: str, dtypes=("bfloat16",), num_prompts: int = 32, max_tokens: int = 64,
             progress=print) -> list[dict]:
     """One row per dtype, fp32 first (the reference every other row is compared with)."""
-    from .models import load_model
-    from .workload import load_prompts
+    from ..models import load_model
+    from ..workload import load_prompts
 
     prompts = [{"messages": p["messages"]} for p in load_prompts()[:num_prompts]]
     rows, ref_lp, ref_out = [], None, None
@@ -53,9 +53,9 @@ def format_row(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import DEFAULT_MODEL, DTYPES
+    from ..models import DEFAULT_MODEL, DTYPES
 
-    p = argparse.ArgumentParser(prog="python -m minillm.dtype_accuracy",
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.dtype_accuracy",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtypes", default="bfloat16", help="compared with float32, comma-separated")

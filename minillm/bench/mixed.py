@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .loadgen import RANDOM_IDS, RequestResult
+from .client import RANDOM_IDS, RequestResult
 
 
 @dataclass(frozen=True)

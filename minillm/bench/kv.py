@@ -10,14 +10,15 @@ tokens fit.
 """
 from __future__ import annotations
 
-from .core.kv_quant import get_format
+from ..core.kv_quant import get_format
+from .run import run_engine, warmup_items
 
 DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")
 
 
 def budget_bytes(model, items, rows: int) -> int:
     """What ``rows`` padded rows of the workload's longest request take in the model's dtype."""
-    from .llm import LLM
+    from ..llm import LLM
     encoder = LLM(model, engine="naive")
     longest = max(len(encoder.encode(it.prompt)) + it.params.max_tokens for it in items)
     return rows * longest * model.kv_bytes_per_token
@@ -27,8 +28,7 @@ def exp_kv_dtype(model, n: int, seed: int, options: dict, rows: int = 6,
                  dtypes: tuple[str, ...] = DTYPES, progress: bool = False) -> dict:
     """One row per format at one KV budget: bytes per token, blocks, peak concurrent requests,
     output tok/s, preemptions; and the ratios of int8's to fp32's."""
-    from .bench import run_engine, warmup_items
-    from .workload import make_workload
+    from ..workload import make_workload
 
     items = make_workload(n, seed)
     budget = budget_bytes(model, items, rows)

@@ -1,4 +1,4 @@
-"""What a narrower KV cache costs, measured (rung 9, notebook 09): ``python -m minillm.kv_accuracy``.
+"""What a narrower KV cache costs, measured (rung 9, notebook 09): ``python -m minillm.bench.kv_accuracy``.
 
 For each ``kv_cache_dtype`` against the model's own (fp32 on the CPU):
 
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from .core.attention import get_attention_backend
-from .core.attention.reference import AttentionMetadata
-from .core.kv_quant import KV_CACHE_DTYPES, get_format
-from .core.runner import ModelRunner, pad_tables
+from ..core.attention import get_attention_backend
+from ..core.attention.reference import AttentionMetadata
+from ..core.kv_quant import KV_CACHE_DTYPES, get_format
+from ..core.runner import ModelRunner, pad_tables
 
-PASSAGE = Path(__file__).parent / "data" / "passage.txt"
+PASSAGE = Path(__file__).resolve().parents[1] / "data" / "passage.txt"
 BLOCK_SIZE = 16
 
 
@@ -77,7 +77,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def greedy_outputs(model, prompts: list[dict], kv_cache_dtype: str, max_tokens: int,
                    **options) -> list[list[int]]:
-    from . import LLM, SamplingParams
+    from .. import LLM, SamplingParams
     llm = LLM(model, engine="paged", kv_cache_dtype=kv_cache_dtype, **options)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
                         progress=False)
@@ -95,7 +95,7 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 def measure(model, dtypes=KV_CACHE_DTYPES, num_prompts: int = 32, max_tokens: int = 64,
             progress=print, **options) -> list[dict]:
     """One row per dtype (``auto`` first: the reference every other row is compared with)."""
-    from .workload import load_prompts
+    from ..workload import load_prompts
 
     dtypes = ["auto"] + [d for d in dtypes if d != "auto"]
     prompts = [{"messages": p["messages"]} for p in load_prompts()[:num_prompts]]
@@ -126,8 +126,8 @@ def format_row(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import DEFAULT_MODEL, load_model
-    p = argparse.ArgumentParser(prog="python -m minillm.kv_accuracy", description=__doc__.split(
+    from ..models import DEFAULT_MODEL, load_model
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.kv_accuracy", description=__doc__.split(
         "\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtypes", default=",".join(KV_CACHE_DTYPES))

@@ -23,12 +23,12 @@ from tqdm.auto import tqdm
 from transformers import (ContinuousBatchingConfig, GenerationConfig, LogitsProcessor,
                           LogitsProcessorList)
 
-from .core.driver import RunResult
-from .engines.padded import left_pad
-from .memory import rectangle_counts
-from .metrics import StepRecord, summarize
-from .models import LoadedModel
-from .request import FinishReason, Request, RequestOutput
+from ..core.driver import RunResult
+from ..engines.padded import left_pad
+from ..memory import rectangle_counts
+from ..metrics import StepRecord, summarize
+from ..models import LoadedModel
+from ..request import FinishReason, Request, RequestOutput
 
 
 def _check(requests: list[Request]) -> dict:

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: ``python -m minillm.profile_step`` (``make profile``).
+"""Where a decode step's time goes: ``python -m minillm.bench.profile_step`` (``make profile``).
 
 The paged engine is filled with N sequences in steady decode (each ``--context`` tokens into its
 answer), then K decode steps are timed, and one more batch of steps runs under ``torch.profiler``
@@ -27,8 +27,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .core.linear import get_linear_kernel, matmul_gflops
-from .core.model import PagedLlama
+from ..core.linear import get_linear_kernel, matmul_gflops
+from ..core.model import PagedLlama
 
 COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engine python")
 
@@ -36,8 +36,8 @@ COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engin
 def steady_engine(model, rows: int, context: int, backend: str | None = None,
                   linear: str | None = None, kv_cache_dtype: str = "auto"):
     """A paged engine with ``rows`` sequences, each ``context`` tokens long and decoding."""
-    from .llm import LLM
-    from .request import Request, SamplingParams
+    from ..llm import LLM
+    from ..request import Request, SamplingParams
 
     blocks = rows * (-(-(context + 64) // 16)) + 8
     llm = LLM(model, engine="paged", block_size=16, num_blocks=blocks, max_num_seqs=rows,
@@ -129,7 +129,7 @@ def breakdown(engine, steps: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minillm.profile_step", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.profile_step", description=__doc__)
     p.add_argument("--rows", default="1,16,64,128,256", help="running sequences, comma-separated")
     p.add_argument("--context", type=int, default=155, help="tokens per sequence (default 155)")
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per row count")
@@ -169,8 +169,8 @@ def busy_cores(n: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engines import get_attention_backend
-    from .models import dtype_name, load_model
+    from ..engines import get_attention_backend
+    from ..models import dtype_name, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

