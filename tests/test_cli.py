@@ -446,7 +446,7 @@ def test_generate_pipeline_worker_killed_mid_run(tmp_path):
         proc.kill()
     reader.join(timeout=10)
     err = "".join(err)
-    cause = (rf"PipelineError: pipeline worker rank 1 \(pid {workers[0]}\) exited with code -9 "
+    cause = (rf"WorkerError: pipeline worker rank 1 \(pid {workers[0]}\) exited with code -9 "
              r"\(killed by SIGKILL\)")
     assert code == 1, err[-2000:]
     assert "Traceback" not in err

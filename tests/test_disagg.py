@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import FinishReason, SamplingParams
-from minillm.engines.r7_pipeline.comm import PipelineError
+from minillm.dist.comm import WorkerError
 from minillm.engines.r11_disagg.engine import DisaggEngine
 from minillm.lab.reference import random_prompts
 from minillm.request import RequestError
@@ -140,11 +140,11 @@ def test_killed_prefill_worker_is_a_clear_error_and_no_process_is_left(tiny):
             os.kill(proc.pid, signal.SIGKILL)
     reqs = requests(random_prompts(6, seed=116), SamplingParams(max_tokens=30, ignore_eos=True),
                     "die")
-    with pytest.raises(PipelineError, match=r"prefill worker rank 1 \(pid \d+\) exited with "
+    with pytest.raises(WorkerError, match=r"prefill worker rank 1 \(pid \d+\) exited with "
                                             r"code -9"):
         engine.run(reqs, on_step=kill)
     assert all(r.finished for r in reqs) and not proc.is_alive()
-    with pytest.raises(PipelineError):
+    with pytest.raises(WorkerError):
         engine.step()
     engine.close()
 

@@ -15,13 +15,27 @@ def sources(*roots: Path) -> dict[str, str]:
     return {str(f.relative_to(PKG.parent)): f.read_text() for f in files}
 
 
-def imported_modules(path: str, text: str) -> list[tuple[int, str]]:
-    """Every module ``text`` imports (function-local imports included), as absolute names."""
+def type_only(tree: ast.AST) -> set[int]:
+    """Ids of the import nodes under ``if TYPE_CHECKING:`` (never run: not a real dependency)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def imported_modules(path: str, text: str, runtime_only: bool = False) -> list[tuple[int, str]]:
+    """Every module ``text`` imports (function-local imports included), as absolute names;
+    ``runtime_only``: without the imports under ``if TYPE_CHECKING:``."""
     package = path.removesuffix(".py").replace("/", ".").split(".")
     if package[-1] == "__init__":
         package = package[:-1]
+    tree = ast.parse(text)
+    skip = type_only(tree) if runtime_only else set()
     out = []
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -36,6 +50,67 @@ def core_imports_of_engines(files: dict[str, str]) -> list[str]:
     return [f"{path}:{line} imports {mod}" for path, text in files.items()
             for line, mod in imported_modules(path, text)
             if mod == "minillm.engines" or mod.startswith("minillm.engines.")]
+
+
+def import_cycles(files: dict[str, str]) -> list[list[str]]:
+    """Modules that import each other, directly or round a circle, counting function-local
+    imports (which hide a circle from Python, not from a reader); type-only imports aside."""
+    names = {path.removesuffix(".py").replace("/", ".").removesuffix(".__init__"): path
+             for path in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        graph[name] = set()
+        for _, mod in imported_modules(path, files[path], runtime_only=True):
+            parts = mod.split(".")
+            while parts and ".".join(parts) not in names:
+                parts.pop()
+            target = ".".join(parts)
+            # a package's __init__ is imported on the way to its modules: not an edge of theirs
+            if parts and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return strongly_connected(graph)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): every component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            w = next(edges, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
 
 
 def getattr_on_engines(files: dict[str, str]) -> list[str]:
@@ -67,6 +142,20 @@ def test_nothing_in_core_imports_the_ladder():
     assert core_imports_of_engines(sources(PKG / "core")) == []
 
 
+def test_no_import_cycles_even_hidden_in_functions():
+    assert import_cycles(sources(PKG)) == []
+
+
+def test_rungs_share_distributed_plumbing_through_dist_not_rung_7():
+    """Rung 11 (and 10's workers) start processes and talk between ranks through ``dist/``;
+    rung 11 does not depend on rung 7 at all."""
+    disagg = sources(PKG / "engines" / "r11_disagg")
+    assert [f"{p}:{line} {m}" for p, t in disagg.items() for line, m in imported_modules(p, t)
+            if "r7_pipeline" in m] == []
+    assert all("r7_pipeline" not in m for p, t in sources(PKG / "dist").items()
+               for _, m in imported_modules(p, t))
+
+
 def test_views_ask_engines_through_declared_methods():
     views = sources(*VIEWS)
     assert getattr_on_engines(views) == []
@@ -85,3 +174,10 @@ def test_the_checks_catch_planted_violations():
                                   "f = w._repr_mimebundle_()\n"}
     assert len(getattr_on_engines(view)) == 2
     assert private_reads(view) == ["minillm/serve/v.py:3 loop._thread"]
+    circle = {"minillm/a.py": "from . import b\n",
+              "minillm/b.py": "def f():\n    from .c import x\n",
+              "minillm/c.py": "from .a import y\n",
+              "minillm/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from .e import E\n",
+              "minillm/e.py": "from .d import D\n"}
+    assert import_cycles(circle) == [["minillm.a", "minillm.b", "minillm.c"]]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from minillm import LLM, FinishReason, Request, SamplingParams
 from minillm.engines import create_engine
-from minillm.engines.r7_pipeline.comm import PipelineError
+from minillm.dist.comm import WorkerError
 from minillm.engines.r7_pipeline.engine import PipelineEngine
 from minillm.engines.r7_pipeline.stage import EXIT_HOOK_ENV, split_layers
 from minillm.engines.r7_pipeline.timeline import KINDS, summarize
@@ -248,11 +248,11 @@ def test_idle_past_the_timeout_then_killed_worker_is_a_clear_error(tiny):
             os.kill(proc.pid, signal.SIGKILL)
     reqs = llm.make_requests(random_prompts(6, seed=76), SamplingParams(max_tokens=30,
                                                                          ignore_eos=True))
-    with pytest.raises(PipelineError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
         llm.run(reqs, on_step=kill_rank_1)
     assert not proc.is_alive()
     assert all(r.finished for r in reqs)              # every request ended (aborted)
-    with pytest.raises(PipelineError):               # and the engine says so, without hanging
+    with pytest.raises(WorkerError):               # and the engine says so, without hanging
         engine.step()
     engine.close()
 
@@ -263,12 +263,12 @@ def test_worker_exiting_mid_run_in_three_stages(tiny, monkeypatch):
     procs = dict(engine.group.processes)
     reqs = requests(random_prompts(5, seed=77), SamplingParams(max_tokens=30, ignore_eos=True),
                     "die")
-    with pytest.raises(PipelineError, match=r"worker rank 1 \(pid \d+\) exited with code 3"):
+    with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) exited with code 3"):
         engine.run(reqs)
     assert not any(p.is_alive() for p in procs.values())   # rank 2 was stopped too
     assert all(r.finished for r in reqs)
     engine.close()
-    with pytest.raises(PipelineError, match="exited with code 3"):   # the first error stays
+    with pytest.raises(WorkerError, match="exited with code 3"):   # the first error stays
         engine.step()
 
 
@@ -277,7 +277,7 @@ def test_closed_engine_says_so(tiny):
     procs = list(engine.group.processes.values())
     engine.close()
     assert all(p.exitcode == 0 for p in procs)        # stopped politely, not killed
-    with pytest.raises(PipelineError, match="closed"):
+    with pytest.raises(WorkerError, match="closed"):
         engine.step()
 
 

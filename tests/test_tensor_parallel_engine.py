@@ -15,7 +15,7 @@ import torch
 
 from minillm import LLM, FinishReason, SamplingParams
 from minillm.engines import create_engine, resolve
-from minillm.engines.r7_pipeline.comm import PipelineError
+from minillm.dist.comm import WorkerError
 from minillm.engines.r7_pipeline.stage import EXIT_HOOK_ENV
 from minillm.engines.r10_tensor.engine import TensorParallelEngine
 from minillm.engines.r10_tensor.timeline import summarize
@@ -148,11 +148,11 @@ def test_killed_worker_is_a_clear_error_and_no_process_is_left(tiny, world):
             os.kill(procs[victim].pid, signal.SIGKILL)
     reqs = llm.make_requests(random_prompts(6, seed=97), SamplingParams(max_tokens=30,
                                                                         ignore_eos=True))
-    with pytest.raises(PipelineError, match=rf"worker rank {victim} \(pid \d+\) exited with code -9"):
+    with pytest.raises(WorkerError, match=rf"worker rank {victim} \(pid \d+\) exited with code -9"):
         llm.run(reqs, on_step=kill)
     assert all(r.finished for r in reqs)
     assert not any(p.is_alive() for p in procs.values())       # the others were stopped too
-    with pytest.raises(PipelineError):
+    with pytest.raises(WorkerError):
         engine.step()
     engine.close()
 
@@ -163,7 +163,7 @@ def test_worker_exiting_mid_all_reduce_is_a_clear_error(tiny, monkeypatch):
     procs = dict(engine.group.processes)
     reqs = requests(random_prompts(4, seed=98), SamplingParams(max_tokens=30, ignore_eos=True),
                     "die")
-    with pytest.raises(PipelineError, match=r"worker rank 1 \(pid \d+\) exited with code 3"):
+    with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) exited with code 3"):
         engine.run(reqs)
     assert not any(p.is_alive() for p in procs.values()) and all(r.finished for r in reqs)
     engine.close()

@@ -18,9 +18,9 @@ import sys
 from ...core.engine import PagedEngine
 from ...core.linear import TorchLinear
 from ...core.model import PagedLlama
-from ..r7_pipeline.comm import PipelineError, group_from_env
+from ...dist.comm import WorkerError, group_from_env
 from ..r7_pipeline.engine import PipelineEngine
-from ..r7_pipeline.launcher import WorkerGroup, launch, torchrun_device
+from ...dist.launcher import WorkerGroup, launch, torchrun_device
 from ..r7_pipeline.stage import split_layers
 from .config import TensorParallelConfig
 from .runner import TensorStageConfig, TensorStageRunner, connect_stage, run_tensor_worker
@@ -93,7 +93,7 @@ def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0,
     comm = group_from_env(device, pipeline_timeout_s)
     try:
         run_tensor_worker(comm, PagedLlama(model.hf_model, TorchLinear()))
-    except PipelineError as e:
+    except WorkerError as e:
         print(f"[minillm tensor] {e}", file=sys.stderr)
         return 1
     return 0

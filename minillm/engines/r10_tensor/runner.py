@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ...core.linear import get_linear_kernel
 from ...core.model import PagedLlama
-from ..r7_pipeline.comm import CONNECT_TIMEOUT_S, Comm, process_group
+from ...dist.comm import CONNECT_TIMEOUT_S, Comm, process_group
 from ..r7_pipeline.stage import StageConfig, StageRunner, StepInputs, serve, split_layers
 from .shard import AllReduce, head_split, shard_model
 

@@ -52,7 +52,7 @@ def _bench_rank(rank: int, world: int, port: int, sizes: list[int], repeats: int
     import torch
     import torch.distributed as dist
 
-    from ..r7_pipeline.comm import Comm
+    from ...dist.comm import Comm
     from .shard import AllReduce
 
     torch.set_num_threads(1)

@@ -36,8 +36,8 @@ from ...memory import MemorySnapshot
 from ...checks import check_field
 from ...request import FinishReason, Request, RequestError
 from ...core.interface import StepOutput
-from ..r7_pipeline.comm import PipelineError, deferred_interrupt
-from ..r7_pipeline.launcher import WorkerGroup, launch
+from ...dist.comm import WorkerError, deferred_interrupt
+from ...dist.launcher import WorkerGroup, launch
 from .config import DisaggConfig
 from .prefill import run_prefill_worker
 from .transfer import Command, Handoff, Reply, land, pool_layout, recv_blocks
@@ -72,11 +72,11 @@ class DisaggEngine(PagedEngine):
                                      run=run_prefill_worker, role="prefill")
         self.comm = self.group.comm
         self._finalizer = weakref.finalize(self, self.group.close)
-        self.broken: PipelineError | None = None
+        self.broken: WorkerError | None = None
         try:
             self.comm.send_object(self.prefill_options(), 1)
             kind, value = self.comm.recv_object(1, what=None)
-        except PipelineError as e:
+        except WorkerError as e:
             raise self.group.failure(e) from None
         if kind != "ready":
             self.close()
@@ -200,7 +200,7 @@ class DisaggEngine(PagedEngine):
                 self.comm.send_object(self.command, 1)
                 self.command = Command()
                 self.pending = self._post_read()
-        except PipelineError as e:
+        except WorkerError as e:
             self._break(e)
 
     def _choose_pulls(self) -> list[str]:
@@ -297,7 +297,7 @@ class DisaggEngine(PagedEngine):
             del self.transfers[next(iter(self.transfers))]
         return done
 
-    def _break(self, error: PipelineError):
+    def _break(self, error: WorkerError):
         self.broken = self.group.failure(error)
         raise self.broken from None
 
@@ -328,7 +328,7 @@ class DisaggEngine(PagedEngine):
                 with deferred_interrupt():
                     self._exchange(block=True)     # the reply in flight, if any
                     self._exchange(block=True)     # the aborts and acks, answered
-            except PipelineError:
+            except WorkerError:
                 pass                               # broken now; the caller's next step says so
         self.ready.clear()
         return dropped + super().reset()
@@ -341,5 +341,5 @@ class DisaggEngine(PagedEngine):
     def close(self) -> None:
         """Stop the prefill worker (also done when the engine is garbage-collected)."""
         self._finalizer()
-        self.broken = self.broken or PipelineError("this disagg engine is closed: its prefill "
+        self.broken = self.broken or WorkerError("this disagg engine is closed: its prefill "
                                                    "worker is stopped")

@@ -18,7 +18,7 @@ from ...core.runner import reaching_end
 from ...core.scheduler import SequenceGroup
 from ...request import FinishReason, Request, RequestError, SamplingParams
 from ...core.interface import StepOutput
-from ..r7_pipeline.comm import IDLE_TIMEOUT_S, Comm, PipelineError
+from ...dist.comm import IDLE_TIMEOUT_S, Comm, WorkerError
 from .transfer import Command, Handoff, Reply, filled_blocks, send_blocks
 
 
@@ -123,6 +123,6 @@ def run_prefill_worker(comm: Comm, model) -> None:
     comm.send_object(("ready", engine.block_manager.num_blocks), 0)
     try:
         serve(comm, engine)
-    except PipelineError as e:
+    except WorkerError as e:
         print(f"[minillm prefill] {e}", file=sys.stderr)
         raise

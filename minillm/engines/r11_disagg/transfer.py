@@ -25,7 +25,7 @@ import torch
 
 from ...core.block_manager import BlockManager, NoFreeBlocksError
 from ...core.sequence import Sequence
-from ..r7_pipeline.comm import Comm
+from ...dist.comm import Comm
 
 Layout = list[tuple[torch.dtype, torch.Size]]     # each pool tensor's dtype and one block's shape
 

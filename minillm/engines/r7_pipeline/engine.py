@@ -35,9 +35,10 @@ from ...core.engine import PagedEngine
 from ...core.model import PagedLlama
 from ...core.scheduler import SchedulerOutput
 from ...core.sequence import Sequence, SequenceGroup
-from .comm import PipelineError, deferred_interrupt
+from ...dist.comm import WorkerError, deferred_interrupt
 from .config import ParallelConfig
-from .launcher import WorkerGroup, launch, torchrun_group, under_torchrun
+from ...dist.launcher import WorkerGroup, launch, torchrun_group, under_torchrun
+from .launcher import run_worker
 from .stage import StageConfig, StageRunner, split_layers
 from .timeline import Event, format_summary
 
@@ -88,13 +89,13 @@ class PipelineEngine(PagedEngine):
                              f"{self.comm.world_size} ranks")
         try:
             self.connect()
-        except PipelineError as e:
+        except WorkerError as e:
             raise self.group.failure(e) from None
         # rank 0's alone, so it may change between runs (``measure.py`` does)
         self.num_microbatches = parallel.num_microbatches or self.runner.num_stages
         self.in_flight: deque[MicroBatch] = deque()
         self.num_launched = 0
-        self.broken: PipelineError | None = None
+        self.broken: WorkerError | None = None
 
     # --- the ranks: one per stage (rung 10 overrides these four for stages of T ranks) -------------
     @property
@@ -106,7 +107,7 @@ class PipelineEngine(PagedEngine):
         return f"pipeline_parallel_size={self.world_size}"
 
     def launch_workers(self, world: int, timeout_s: float, threads: int) -> WorkerGroup:
-        return launch(self.runner.net, world, timeout_s, threads)
+        return launch(self.runner.net, world, timeout_s, threads, run_worker, role="pipeline")
 
     def connect(self) -> None:
         """Once the group has formed: tell every worker its stage's layout."""
@@ -145,7 +146,7 @@ class PipelineEngine(PagedEngine):
                 mb = self.in_flight.popleft()
                 logits = self._receive(mb)
             self._finish_microbatch(mb, logits, out)
-        except PipelineError as e:
+        except WorkerError as e:
             self.broken = self.group.failure(e)
             raise self.broken from None
         return out
@@ -243,7 +244,7 @@ class PipelineEngine(PagedEngine):
                 while self.in_flight:
                     with deferred_interrupt():
                         self._receive(self.in_flight.popleft())
-            except PipelineError as e:
+            except WorkerError as e:
                 self.broken = self.group.failure(e)
         self.in_flight.clear()
         return super().reset()
@@ -251,7 +252,7 @@ class PipelineEngine(PagedEngine):
     def close(self) -> None:
         """Stop the workers (also done when the engine is garbage-collected)."""
         self._finalizer()
-        self.broken = self.broken or PipelineError("this pipeline engine is closed: its workers "
+        self.broken = self.broken or WorkerError("this pipeline engine is closed: its workers "
                                                    "are stopped")
 
     def _workers(self):
@@ -275,7 +276,7 @@ class PipelineEngine(PagedEngine):
             for rank in self._workers():
                 self.comm.send_object("timeline", rank)
                 events += self.comm.recv_object(rank, what=None)
-        except PipelineError as e:
+        except WorkerError as e:
             self.broken = self.group.failure(e)
             raise self.broken from None
         return sorted(events, key=lambda e: (e.rank, e.start))

@@ -22,7 +22,7 @@ from ...core.kv_quant import get_format
 from ...core.model import PagedLlama
 from ...core.runner import ModelRunner, reaching_end
 from ...core.sequence import Sequence
-from .comm import IDLE_TIMEOUT_S, Comm
+from ...dist.comm import IDLE_TIMEOUT_S, Comm
 from .timeline import Event
 
 # A test hook: "RANK:STEPS" makes worker RANK exit abruptly (os._exit(3)) after STEPS micro-batches.

@@ -22,16 +22,16 @@ one. The store kernel quantizes as it writes; the attention kernels widen each r
 and fold its scale into that key's score and that value's weight -- a ``tl.constexpr`` flag
 (``SCALED``) compiles that in, so the unscaled kernels are the same as before.
 
-The Python side (shape checks, launch parameters) is ``launch.py``; its functions are re-exported
-here, so ``kernels.paged_decode(...)`` launches a kernel as it always did.
+The Python side (shape checks, launch parameters) is ``launch.py``; the three functions at the end
+of this file hand it these kernels, so ``kernels.paged_decode(...)`` launches one.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .launch import (LOG2E, MIN_SPLIT_TOKENS, choose_num_splits, paged_decode,  # noqa: F401
-                     paged_extend, store_kv)
+from . import launch
+from .launch import LOG2E, MIN_SPLIT_TOKENS, choose_num_splits  # noqa: F401 (rung 4's names)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,23 +68,25 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
 
 @triton.jit
 def _encode_row(x, dst, scale_dst, QMAX: tl.constexpr):
-    """Quantize one row [HEAD_DIM] on write, exactly as ``kv_quant.quantize`` does in torch.
+    """Encode one row [HEAD_DIM] into the pool's storage type on write (``QMAX > 0``: a scaled
+    format, whose row scale goes to ``scale_dst``). ``tests/test_kv_quant_triton.py`` holds the
+    stored bytes and scales to the torch path's (``core/kv_quant.py``) bit for bit, so the
+    arithmetic below is pinned by those tests, not restated here.
 
-    The row's scale is ``max|x| / QMAX`` (1 for an all-zero row), so its largest element lands on
-    ±QMAX and nothing clips. Both divisions are IEEE (``div_rn``): Triton's ``/`` may round
-    differently on a GPU, and a code one step off near a rounding boundary would differ from the
-    torch reference's. The rounding to the stored type is done here, in fp32, rather than left to
-    the cast: ``.to(int8)`` truncates, and Triton's CPU interpreter casts fp32 to fp8 and bf16
-    without rounding to nearest-even. The cast then only re-encodes an exact value, on any device.
+    Two things only a kernel needs: divisions are IEEE (``div_rn``), since Triton's ``/`` may
+    round differently on a GPU and a code one step off near a rounding boundary would differ from
+    the torch path's; and the rounding to the stored type happens in fp32 before the cast (the
+    ``_round_*`` helpers), since a cast to int8 truncates and Triton's CPU interpreter casts fp32
+    to fp8 and bf16 without rounding to nearest-even — the cast then re-encodes an exact value.
     """
     stored = dst.dtype.element_ty           # known when the kernel is compiled: static branches
     x = x.to(tl.float32)
     if QMAX > 0:
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
-        scale = tl.maximum(scale, 1.1754943508222875e-38)   # as torch: a subnormal row reads 0
-        tl.store(scale_dst, scale)
-        x = tl.math.div_rn(x, scale)
+        peak = tl.max(tl.abs(x), axis=0)
+        step = tl.maximum(tl.math.div_rn(peak, QMAX), 1.1754943508222875e-38)
+        step = tl.where(peak > 0, step, 1.0)
+        tl.store(scale_dst, step)
+        x = tl.math.div_rn(x, step)
     if stored == tl.int8:
         x = tl.minimum(tl.maximum(_round_half_even(x), -QMAX), QMAX)
     elif stored == tl.float8e4nv:
@@ -333,3 +335,14 @@ def paged_extend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+# --- the way in: launch.py checks shapes and picks the grid; these hand it the kernels above ---
+def store_kv(*args, **kwargs) -> None:
+    return launch.store_kv(store_kv_kernel, *args, **kwargs)
+
+
+def paged_decode(*args, **kwargs):
+    return launch.paged_decode(paged_decode_kernel, reduce_splits_kernel, *args, **kwargs)
+
+
+def paged_extend(*args, **kwargs):
+    return launch.paged_extend(paged_extend_kernel, *args, **kwargs)

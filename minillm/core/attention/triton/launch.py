@@ -1,5 +1,6 @@
 """The Python side of rung 4's kernels (``kernels.py``): check shapes, pick launch parameters,
-launch. ``kernels`` re-exports these, so ``kernels.paged_decode(...)`` is the usual way in.
+launch the kernel it is handed. ``kernels.paged_decode(...)`` etc. hand over their own jitted
+kernels, so that is the usual way in (and this module never imports ``kernels``).
 
 This module imports without triton (like every module but ``kernels`` and ``backend``: see
 tests/test_triton_optional.py); the kernels are imported on the first launch.
@@ -60,15 +61,14 @@ def _qmax(stored: torch.dtype) -> float:
     raise ValueError(f"no scaled KV cache format stores {stored}")
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+def store_kv(store_kv_kernel, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Write ``k, v`` [T, num_kv_heads, head_dim] into the pools at ``slot_mapping`` [T].
 
     A pool stored in another type than ``k`` (rung 9) is written narrow: quantized with a scale
     per row into ``k_scale``/``v_scale`` where they are given (int8, fp8), else rounded to its
     16-bit type; the result equals ``QuantizedPool.index_copy_``'s."""
-    from .kernels import store_kv_kernel
     T, num_kv_heads, head_dim = k.shape
     if T == 0:
         return
@@ -93,7 +93,8 @@ def choose_num_splits(num_programs: int, max_tokens: int, device: torch.device) 
     return max(1, min(_cdiv(2 * sms, num_programs), max_tokens // MIN_SPLIT_TOKENS))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_decode(paged_decode_kernel, reduce_splits_kernel, q: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  num_splits: int | None = None, out: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
@@ -104,7 +105,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     flash-decoding. The split size comes from the block table's width (an upper bound on every
     context length), which avoids reading ``context_lens`` back to the CPU.
     """
-    from .kernels import paged_decode_kernel, reduce_splits_kernel
     B, H, D = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = H // num_kv_heads
@@ -141,7 +141,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_extend(paged_extend_kernel, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor,
                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_q_len: int | None = None,
                  out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
@@ -150,7 +151,6 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     ``max_q_len`` sizes the grid; pass it when known to skip a device-to-host read.
     """
-    from .kernels import paged_extend_kernel
     T, H, D = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     q = _rows_contiguous(q)

@@ -1,4 +1,4 @@
-"""Messages between pipeline stages, on torch.distributed point-to-point (notebook 07).
+"""Messages between ranks, on torch.distributed point-to-point (rungs 7, 10, 11; notebook 07).
 
 Two kinds of traffic, on two tags so that neither can be mistaken for the other:
 
@@ -9,7 +9,7 @@ Two kinds of traffic, on two tags so that neither can be mistaken for the other:
 
 Between one pair of ranks, messages on one tag arrive in the order they were sent: that FIFO
 order is all the pipeline's bookkeeping relies on. Every wait has a timeout, and a peer that
-died closes its sockets, so a dead peer becomes a ``PipelineError`` on the ranks that talk to
+died closes its sockets, so a dead peer becomes a ``WorkerError`` on the ranks that talk to
 it — never a hang. Gloo carries CPU tensors, NCCL CUDA tensors (one GPU per rank).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 CONNECT_TIMEOUT_S = 300.0
 
 
-class PipelineError(RuntimeError):
+class WorkerError(RuntimeError):
     """A pipeline rank died, timed out or broke the protocol; the engine cannot continue."""
 
 
@@ -119,14 +119,14 @@ class Comm:
             work.wait(timedelta(seconds=timeout_s or self.timeout_s))
         except Exception as e:   # gloo: the peer closed its socket, or the timeout passed
             who = f"rank {peer}" if peer is not None else "a peer"
-            raise PipelineError(f"rank {self.rank}: lost {who} ({type(e).__name__}: "
+            raise WorkerError(f"rank {self.rank}: lost {who} ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else e!r})") from None
 
     def _call(self, start, peer: int):
         try:
             return start()
         except Exception as e:
-            raise PipelineError(f"rank {self.rank}: cannot reach rank {peer} ({e})") from None
+            raise WorkerError(f"rank {self.rank}: cannot reach rank {peer} ({e})") from None
 
     # --- objects ------------------------------------------------------------------------------
     def send_object(self, obj, dst: int) -> None:
