@@ -155,18 +155,35 @@ class PagedEngine(Engine):
 
     # --- one step ---------------------------------------------------------------------------------
     def _step(self) -> StepOutput:
+        """One step in named phases, each a seam a rung overrides rather than copying the step
+        (rung 11's prefill worker: ``schedule_step`` leaves parked requests out, ``execute``
+        stops at the K/V, ``finish_step`` parks what reached its prompt's end)."""
         out = self._take_aborted()
         self.propose()
-        sched = self.scheduler.schedule()
+        sched = self.schedule_step()
         if not sched.scheduled:
             return self._idle(out)
         t = time.perf_counter()
-        self.runner.copy_blocks(sched.copies)
-        reached, logits = self.runner.run(sched.scheduled)
+        result = self.execute(sched)
         self._account(out, sched, (time.perf_counter() - t) * 1000.0)
         self.scheduler.commit_computed(sched)
-        self.complete(reached, logits, out)
+        self.finish_step(result, out)
         return out
+
+    def schedule_step(self) -> SchedulerOutput:
+        """What this step computes: (sequence, tokens) pairs within the budget."""
+        return self.scheduler.schedule()
+
+    def execute(self, sched: SchedulerOutput):
+        """The forward pass over ``sched`` (K/V written): the sequences that reached their newest
+        token and their logits rows."""
+        self.runner.copy_blocks(sched.copies)
+        return self.runner.run(sched.scheduled)
+
+    def finish_step(self, result, out: StepOutput) -> None:
+        """What becomes of ``execute``'s result once its K/V are committed: tokens."""
+        reached, logits = result
+        self.complete(reached, logits, out)
 
     def _take_aborted(self) -> StepOutput:
         """A step's output starts with the requests aborted since the last step."""

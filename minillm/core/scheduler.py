@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .allocator import KVAllocator
 from ..checks import check_field
-from ..request import Request, RequestError
+from ..request import FinishReason, Request, RequestError
 from .beam import select_beams
 from .commit import Emit, SelectBeams, StepCommit
 from .policy import SchedulingPolicy, get_policy
@@ -291,6 +291,15 @@ class Scheduler(StepCommit):
             for seq in group.seqs:
                 if seq.block_table:
                     self.bm.free(seq)
+
+    @staticmethod
+    def end_unadmitted(req: Request, reason: FinishReason) -> Request:
+        """End a request this scheduler never admitted (rung 11: one still on the prefill
+        worker, or its blocks on the way) as ``finish_group`` ends one: its one sample, with
+        whatever tokens it has."""
+        req.set_final([(list(req.output_token_ids), reason)])
+        req.finish(reason)
+        return req
 
     def finish(self, group: SequenceGroup) -> None:
         for seq in group.seqs + group.done_seqs:

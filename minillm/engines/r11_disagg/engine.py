@@ -164,8 +164,7 @@ class DisaggEngine(PagedEngine):
             return super().abort(request_id)
         if elsewhere.finished:
             return False
-        self.aborted.append(self.scheduler.finish_group(self.scheduler.add(elsewhere),
-                                                        FinishReason.ABORT))
+        self.aborted.append(self.scheduler.end_unadmitted(elsewhere, FinishReason.ABORT))
         return True
 
     # --- one step: both workers at once ---------------------------------------------------------
@@ -262,8 +261,11 @@ class DisaggEngine(PagedEngine):
                     data = recv_blocks(self.comm, 1, h.num_blocks, self.layout)
                     moved.append((data, time.perf_counter() - t))
                 done.set_result((reply, moved))
-            except BaseException as e:  # noqa: BLE001 - the step re-raises it (result())
+            except Exception as e:     # the step re-raises it (result())
                 done.set_exception(e)
+            finally:                   # never leave the step waiting on a reader that died
+                if not done.done():
+                    done.set_exception(WorkerError("the prefill worker's reply reader stopped"))
         threading.Thread(target=read, name="minillm-disagg-reply", daemon=True).start()
         return done
 
@@ -321,8 +323,7 @@ class DisaggEngine(PagedEngine):
             if rid not in self.pulling:
                 self.command.aborts.append(rid)
             if not req.finished:
-                dropped.append(self.scheduler.finish_group(self.scheduler.add(req),
-                                                           FinishReason.ABORT))
+                dropped.append(self.scheduler.end_unadmitted(req, FinishReason.ABORT))
         if self.broken is None:
             try:
                 with deferred_interrupt():

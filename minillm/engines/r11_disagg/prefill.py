@@ -9,13 +9,12 @@ and its blocks go back to the pool — into the prefix cache, when caching is on
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
 from ...core.engine import PagedEngine
 from ...core.runner import reaching_end
-from ...core.scheduler import SequenceGroup
+from ...core.scheduler import SchedulerOutput, SequenceGroup
 from ...request import FinishReason, Request, RequestError, SamplingParams
 from ...core.interface import StepOutput
 from ...dist.comm import IDLE_TIMEOUT_S, Comm, WorkerError
@@ -34,23 +33,29 @@ class PrefillEngine(PagedEngine):
         parked = set(self.parked.values())
         return bool(self.scheduler.waiting) or any(g not in parked for g in self.scheduler.running)
 
-    def _step(self) -> StepOutput:
-        out = self._take_aborted()
-        sched = self.scheduler.schedule(exclude=set(self.parked.values()))
-        if not sched.scheduled:     # all parked: rank 0's pulls free blocks, not a livelock
-            return out
-        t = time.perf_counter()
+    # --- the core's step, three phases overridden (core/engine.py) ------------------------------
+    def schedule_step(self) -> SchedulerOutput:
+        return self.scheduler.schedule(exclude=set(self.parked.values()))
+
+    def _idle(self, out: StepOutput) -> StepOutput:
+        return out      # all parked: rank 0's pulls free blocks, not a livelock
+
+    def execute(self, sched: SchedulerOutput) -> list[str]:
+        """The forward without the head: K/V written, no logits. Returns the requests whose
+        prompt this step finishes (found before the computed tokens are counted)."""
         self.runner.copy_blocks(sched.copies)
         ids, pos, meta, order, _ = self.runner.prepare(sched.scheduled)
-        done = reaching_end(order)                    # (before the computed tokens are counted)
         with torch.inference_mode():
-            self.runner.forward(ids, pos, meta)       # K/V written; no head, no logits
-        self._account(out, sched, (time.perf_counter() - t) * 1000.0)
-        self.scheduler.commit_computed(sched)
-        for k in done:
-            rid = order[k][0].request.request_id
+            self.runner.forward(ids, pos, meta)
+        return [order[k][0].request.request_id for k in reaching_end(order)]
+
+    def finish_step(self, result: list[str], out: StepOutput) -> None:
+        for rid in result:                  # parked until rank 0 pulls its blocks
             self.parked[rid] = self.groups[rid]
-        return out
+
+    def forget_aborted(self) -> None:
+        """Requests aborted here are rank 0's to report: drop them from this worker's output."""
+        self._take_aborted()
 
     def export(self, request_id: str) -> tuple[Handoff, list[torch.Tensor]]:
         """A parked request's blocks, as stored (it keeps them until ``release``)."""
@@ -93,7 +98,7 @@ def serve(comm: Comm, engine: PrefillEngine) -> None:
                                        priority=priority))
         for rid in cmd.aborts:        # after the new ones: a prompt may be aborted as it arrives
             engine.abort(rid)
-        engine._take_aborted()        # (their requests are rank 0's to report)
+        engine.forget_aborted()
         sent = [engine.export(rid) for rid in cmd.pulls]
         bm = engine.block_manager
         ready = [(rid, engine.parked[rid].seqs[0].num_computed_tokens) for rid in parked
