@@ -119,5 +119,5 @@ def test_engines_keep_their_configs(tiny):
         DynamicBatchEngine(tiny, block_size=4)
     spec = create_engine("paged", tiny, speculative="ngram", num_speculative_tokens=3,
                          num_blocks=8, attention_backend="torch")
-    assert spec.name == "paged+ngram" and spec.config.num_speculative_tokens == 3
-    assert spec.speculative_config is spec.config and spec.cache_config.num_blocks == 8
+    assert spec.name == "paged+ngram" and spec.speculative_config.num_speculative_tokens == 3
+    assert spec.cache_config.num_blocks == 8

@@ -113,6 +113,46 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def factories_with_side_effects(files: dict[str, str]) -> list[str]:
+    """``make_runner`` (called inside ``PagedEngine.__init__``) assigning to ``self``: state a
+    subclass sets half-way through its base's constructor. The runner holds what it needs."""
+    bad = []
+    for path, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef) and node.name == "make_runner":
+                for sub in ast.walk(node):
+                    targets = (sub.targets if isinstance(sub, ast.Assign) else
+                               [sub.target] if isinstance(sub, (ast.AugAssign, ast.AnnAssign))
+                               else [])
+                    for t in targets:
+                        for leaf in ast.walk(t):
+                            if (isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name)
+                                    and leaf.value.id == "self"):
+                                bad.append(f"{path}:{sub.lineno} {ast.unparse(t)}")
+    return bad
+
+
+def config_aliases(files: dict[str, str]) -> list[str]:
+    """A property or attribute giving a config a second name (``self.config =
+    self.speculative_config``, a property returning ``self.tensor_parallel_config``)."""
+    bad = []
+    for path, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            value = None
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name)
+                    and leaf.value.id == "self" for t in node.targets for leaf in ast.walk(t)):
+                value = node.value                      # (a local name for a config is fine)
+            elif isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d) == "property" for d in node.decorator_list):
+                returns = [r.value for r in ast.walk(node) if isinstance(r, ast.Return)]
+                value = returns[0] if len(returns) == 1 and len(node.body) <= 2 else None
+            if (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
+                    and value.value.id == "self" and value.attr.endswith("_config")):
+                bad.append(f"{path}:{node.lineno} {ast.unparse(value)}")
+    return bad
+
+
 def getattr_on_engines(files: dict[str, str]) -> list[str]:
     """getattr/hasattr whose object is an engine (a name or attribute mentioning one)."""
     bad = []
@@ -156,6 +196,12 @@ def test_rungs_share_distributed_plumbing_through_dist_not_rung_7():
                for _, m in imported_modules(p, t))
 
 
+def test_engines_are_built_without_init_order_tricks():
+    engines = sources(PKG / "core", PKG / "engines")
+    assert factories_with_side_effects(engines) == []
+    assert config_aliases(engines) == []
+
+
 def test_views_ask_engines_through_declared_methods():
     views = sources(*VIEWS)
     assert getattr_on_engines(views) == []
@@ -181,3 +227,12 @@ def test_the_checks_catch_planted_violations():
                               "    from .e import E\n",
               "minillm/e.py": "from .d import D\n"}
     assert import_cycles(circle) == [["minillm.a", "minillm.b", "minillm.c"]]
+    engine = {"minillm/engines/x.py": "class E:\n"
+              "    def make_runner(self, n):\n        self.stage = n\n        return R(n)\n"
+              "    @property\n    def parallel_config(self):\n"
+              "        return self.tensor_parallel_config\n"
+              "    def __init__(self):\n        cfg = self.config = self.speculative_config\n"
+              "        ok = self.cache_config.block_size\n"
+              "        c = self.parallel_config\n"}
+    assert factories_with_side_effects(engine) == ["minillm/engines/x.py:3 self.stage"]
+    assert len(config_aliases(engine)) == 2

@@ -173,7 +173,7 @@ def test_engine_options_checked(tiny):
         LLM(tiny, engine="paged+draft", draft_layers=3)
     cfg = SpeculativeConfig("ngram", num_speculative_tokens=2)
     llm = LLM(tiny, engine="paged", speculative=cfg)
-    assert llm.engine.name == "paged+ngram" and llm.engine.config is cfg
+    assert llm.engine.name == "paged+ngram" and llm.engine.speculative_config is cfg
 
 
 def test_ngram_lookup():

@@ -211,7 +211,7 @@ def test_the_stage_groups_collective_all_reduce_gives_the_same_tokens(tiny):
     engine = TensorParallelEngine(tiny, tensor_parallel_size=2, pipeline_parallel_size=2,
                                   all_reduce="collective", **TIGHT)
     try:
-        assert engine.all_reduce.how == "collective" and engine.all_reduce.pg is not None
+        assert engine.runner.all_reduce.how == "collective" and engine.runner.all_reduce.pg is not None
         assert_same_as_paged(engine, tiny, shared_prefix_prompts(6, seed=99), MIXED + MIXED[:2],
                              **TIGHT)
     finally:

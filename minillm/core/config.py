@@ -188,8 +188,11 @@ def option_value(value, name: str):
 
 
 def config_attr(config: type) -> str:
-    """The engine attribute a config is kept in: ``CacheConfig`` -> ``cache_config``."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", config.__name__).lower()
+    """The engine attribute a config is kept in: ``CacheConfig`` -> ``cache_config``. A config
+    that refines another (rung 10's ``TensorParallelConfig`` of rung 7's ``ParallelConfig``) is
+    kept under the other's name: the code that reads it is the same, no alias needed."""
+    root = [c for c in config.__mro__ if dataclasses.is_dataclass(c)][-1]
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", root.__name__).lower()
 
 
 def build_configs(configs: tuple[type, ...], options: dict, owner: str) -> list:

@@ -33,10 +33,6 @@ class TensorParallelEngine(PipelineEngine):
     configs = PagedEngine.configs + (TensorParallelConfig,)
 
     @property
-    def parallel_config(self) -> TensorParallelConfig:
-        return self.tensor_parallel_config
-
-    @property
     def world_size(self) -> int:
         return self.parallel_config.world_size
 
@@ -48,29 +44,29 @@ class TensorParallelEngine(PipelineEngine):
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> TensorStageRunner:
         c = self.parallel_config
-        self.stage_config = TensorStageConfig(
+        config = TensorStageConfig(
             self.world_size, num_blocks, block_size, self.model_config.attention_backend,
             self.cache_config.kv_cache_dtype, c.tensor_parallel_size,
             self.model_config.linear_backend, c.all_reduce)
         # The whole model, for the workers to take their parts of (shared memory, no copy):
         # TorchLinear packs nothing, each rank packs its own slices for the chosen kernel.
-        self.net = PagedLlama(self.model.hf_model, TorchLinear())
-        self.all_reduce = AllReduce(c.all_reduce)
-        return TensorStageRunner(self.net, 0, self.stage_config, backend, self.model.device,
-                                 self.model.dtype, self.all_reduce)
+        return TensorStageRunner(PagedLlama(self.model.hf_model, TorchLinear()), 0, config,
+                                 backend, self.model.device, self.model.dtype,
+                                 AllReduce(c.all_reduce))
 
     def launch_workers(self, world: int, timeout_s: float, threads: int) -> WorkerGroup:
-        return launch(self.net, world, timeout_s, threads, run=run_tensor_worker,
+        return launch(self.runner.whole, world, timeout_s, threads, run=run_tensor_worker,
                       role="tensor-parallel")
 
     def connect(self) -> None:
         super().connect()
-        connect_stage(self.all_reduce, self.comm, self.parallel_config.tensor_parallel_size)
+        connect_stage(self.runner.all_reduce, self.comm,
+                      self.parallel_config.tensor_parallel_size)
 
     def kv_bytes_per_rank(self) -> list[int]:
         """Bytes of KV cache each rank holds for one token: its KV heads of its stage's layers
         (rank 0's pool is here; the others' follow from the same split)."""
-        c, net = self.parallel_config, self.net
+        c, net = self.parallel_config, self.runner.whole
         T, P = c.tensor_parallel_size, c.pipeline_parallel_size
         per_head_layer = self.kv_bytes_per_token // (len(net.layers) * net.num_kv_heads)
         out = []

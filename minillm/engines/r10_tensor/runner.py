@@ -37,6 +37,7 @@ class TensorStageRunner(StageRunner):
     def __init__(self, net: PagedLlama, rank: int, config: TensorStageConfig, backend, device,
                  dtype, all_reduce: AllReduce):
         """``net``: the whole model (its weights shared, not copied); this rank keeps its part."""
+        self.whole, self.all_reduce = net, all_reduce    # what the workers take their parts of
         self.tp_size = T = config.tensor_parallel_size
         stage, t = divmod(rank, T)
         self.heads = head_split(net.num_heads, net.num_kv_heads, T, t)

@@ -39,7 +39,7 @@ class SpeculativeEngine(PagedEngine):
         ``speculative=SpeculativeConfig(...)`` (which then wins). ``proposer`` replaces the
         proposer it builds."""
         super().__init__(model, **options)
-        cfg = self.config = self.speculative_config   # (frozen: one object, two names)
+        cfg = self.speculative_config
         self.name = f"paged+{cfg.method}"
         if proposer is None and cfg.method == "ngram":
             proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -56,7 +56,7 @@ class SpeculativeEngine(PagedEngine):
         p = seq.request.params
         if p.n > 1 or p.beam_width > 1 or seq.num_uncomputed != 1 or seq.finish_reason:
             return 0
-        return max(0, min(self.config.num_speculative_tokens,
+        return max(0, min(self.speculative_config.num_speculative_tokens,
                           p.max_tokens - len(seq.output_token_ids) - 1,
                           self.max_model_len - 1 - seq.num_tokens))
 
@@ -126,8 +126,8 @@ class SpeculativeEngine(PagedEngine):
 
     def run_extra(self) -> dict:
         """This run's speculation totals, as ``metrics.extra["speculative"]``."""
-        return {"speculative": {"method": self.config.method,
-                                "k": self.config.num_speculative_tokens,
+        return {"speculative": {"method": self.speculative_config.method,
+                                "k": self.speculative_config.num_speculative_tokens,
                                 **self.run_stats.as_dict()}}
 
     def reset(self) -> list[Request]:

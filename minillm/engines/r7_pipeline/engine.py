@@ -112,7 +112,7 @@ class PipelineEngine(PagedEngine):
     def connect(self) -> None:
         """Once the group has formed: tell every worker its stage's layout."""
         for rank in range(1, self.world_size):
-            self.comm.send_object(self.stage_config, rank)
+            self.comm.send_object(self.runner.config, rank)
 
     def kv_bytes_per_rank(self) -> list[int]:
         """Bytes of KV cache each rank holds per token: its stage's layers' share."""
@@ -122,12 +122,11 @@ class PipelineEngine(PagedEngine):
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> StageRunner:
         """Rank 0's stage (the first slice of the layers and their KV pool). The workers build
-        theirs from the same ``stage_config``, which ``__init__`` sends them once they are up."""
-        self.stage_config = StageConfig(self.parallel_config.pipeline_parallel_size, num_blocks,
-                                        block_size, self.model_config.attention_backend,
-                                        self.cache_config.kv_cache_dtype)
-        return StageRunner(PagedLlama(self.model.hf_model, self.linear_kernel()), 0,
-                           self.stage_config, backend, self.model.device, self.model.dtype)
+        theirs from the same ``StageConfig`` (``runner.config``), which ``connect`` sends them."""
+        config = StageConfig(self.parallel_config.pipeline_parallel_size, num_blocks, block_size,
+                             self.model_config.attention_backend, self.cache_config.kv_cache_dtype)
+        return StageRunner(PagedLlama(self.model.hf_model, self.linear_kernel()), 0, config,
+                           backend, self.model.device, self.model.dtype)
 
     # --- one step: fill the pipeline, then finish its oldest micro-batch ---------------------------
     def has_unfinished(self) -> bool:

@@ -98,7 +98,7 @@ class StageRunner(ModelRunner):
     rank's."""
 
     def __init__(self, net: PagedLlama, rank: int, config: StageConfig, backend, device, dtype):
-        self.rank, self.world_size = rank, config.world_size
+        self.rank, self.world_size, self.config = rank, config.world_size, config
         start, end = split_layers(len(net.layers), self.num_stages)[self.stage]
         super().__init__(None, config.num_blocks, config.block_size, backend, net=net,
                          layers=range(start, end), device=device, dtype=dtype,
