@@ -47,10 +47,10 @@ browser:
 	else echo "note: tests/test_browser.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
 
 test: setup browser
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q tests -m "not slow"
+	$(BIN)/python -m pytest -q --durations=15 tests -m "not slow"
 
 bench: setup
 	$(BIN)/python -m minillm bench --quick
