@@ -32,6 +32,7 @@ from .errors import add_error_handlers
 from .guard import BodyLimit, RequireKey, default_max_body_bytes
 from .loop import EngineFailed, EngineLoop, Event, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
+from .tokenize import DetokenizeRequest, TokenizeRequest, check_model, detokenize, tokenize
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                        new_id, usage)
 
@@ -119,6 +120,17 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         return await serve(app, body, http, chat=True)
+
+    @app.post("/tokenize")        # vLLM's paths and shapes (tokenize.py)
+    async def tokenize_(body: TokenizeRequest):
+        check_model(body.model, app.state.model_name)
+        return await asyncio.get_running_loop().run_in_executor(app.state.prep, tokenize, llm, body)
+
+    @app.post("/detokenize")
+    async def detokenize_(body: DetokenizeRequest):
+        check_model(body.model, app.state.model_name)
+        return await asyncio.get_running_loop().run_in_executor(app.state.prep, detokenize, llm,
+                                                                body)
 
     return app
 
