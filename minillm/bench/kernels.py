@@ -22,45 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..core.attention.triton import triton_available  # sets TRITON_INTERPRET first on CPU
 from ..core.attention.reference import AttentionMetadata, TorchAttention
+from .cpu_attention import cpu_decode_rows, read_bandwidth_gbps
+from .paged_kv import Paged, contiguous_kv, make_paged
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 EXTEND_CHUNK = 512            # new tokens per sequence in the extend benchmark
 MAX_EXTEND_TOKENS = 16384     # skip extend cases with more query tokens than this in one step
-
-
-@dataclass
-class Paged:
-    """A random paged KV cache: every sequence of ``lens`` in shuffled blocks of one pool."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    tables: torch.Tensor         # [B, max_blocks] int32, -1 past each sequence's blocks
-    context_lens: torch.Tensor   # [B] int32
-
-
-def make_paged(lens: list[int], block_size: int, kv_heads: int, head_dim: int,
-               dtype: torch.dtype, device: str) -> Paged:
-    nblocks = [math.ceil(n / block_size) for n in lens]
-    pool = sum(nblocks) + 4
-    shape = (pool, block_size, kv_heads, head_dim)
-    physical = torch.randperm(pool)
-    tables = torch.full((len(lens), max(nblocks)), -1, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(nblocks):
-        tables[b, :n] = physical[start:start + n]
-        start += n
-    return Paged(torch.randn(shape, dtype=dtype, device=device),
-                 torch.randn(shape, dtype=dtype, device=device), tables.to(device),
-                 torch.tensor(lens, dtype=torch.int32, device=device))
 
 
 def extend_meta(p: Paged, q_lens: list[int], lens: list[int]) -> AttentionMetadata:
@@ -159,13 +133,6 @@ def timed(fn) -> float | None:
         return None
 
 
-def contiguous_kv(p: Paged, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same K/V as [B, kv_heads, ctx, D] contiguous tensors, for the plain-SDPA baseline."""
-    k = TorchAttention.gather(p.k_cache, p.tables, ctx).transpose(1, 2).contiguous()
-    v = TorchAttention.gather(p.v_cache, p.tables, ctx).transpose(1, 2).contiguous()
-    return k, v
-
-
 def bench_case(batch: int, ctx: int, bs: int, copy_bw: float, device: str = "cuda") -> list[dict]:
     """All rows for one (batch, context, block size) configuration."""
     from ..core.attention.triton import kernels
@@ -237,43 +204,6 @@ def bench_case(batch: int, ctx: int, bs: int, copy_bw: float, device: str = "cud
     return rows
 
 
-def cpu_decode_rows(batches=(1, 16, 64, 128, 256), contexts=(155, 1024), repeats: int = 20
-                    ) -> list[dict]:
-    """On the CPU, one decode layer of SmolLM2's shape (9 heads, 3 KV heads, head_dim 64, fp32):
-    rung 3's torch reference (gather the blocks into a padded copy, then SDPA), the C++ kernel
-    that reads the blocks in place, and SDPA on K/V already contiguous (no paging at all)."""
-    import time
-
-    from ..core.attention.cpp import CppAttention
-
-    heads, kvh, d, bs = 9, 3, 64, 16
-    ref, cpp = TorchAttention(), CppAttention()
-    rows = []
-    for ctx in contexts:
-        for batch in batches:
-            torch.manual_seed(0)
-            p = make_paged([ctx] * batch, bs, kvh, d, torch.float32, "cpu")
-            q = torch.randn(batch, heads, d)
-            k, v = contiguous_kv(p, ctx)
-            nbytes = 2 * batch * ctx * kvh * d * 4
-            impls = [("torch-paged", lambda: ref.decode(q, p.k_cache, p.v_cache, p.tables,
-                                                          p.context_lens, d ** -0.5)),
-                     ("sdpa-contig", lambda: F.scaled_dot_product_attention(
-                         q[:, :, None], k, v, scale=d ** -0.5, enable_gqa=True))]
-            if cpp.kernel is not None:
-                impls.insert(1, ("cpp-paged", lambda: cpp.decode(q, p.k_cache, p.v_cache, p.tables,
-                                                                  p.context_lens, d ** -0.5)))
-            for impl, fn in impls:
-                fn()
-                t = time.perf_counter()
-                for _ in range(repeats):
-                    fn()
-                us = (time.perf_counter() - t) / repeats * 1e6
-                rows.append(dict(op="decode", impl=impl, batch=batch, ctx=ctx, block_size=bs,
-                                 us=us, gbps=nbytes / (us * 1e-6) / 1e9, frac_copy=None))
-    return rows
-
-
 def print_rows(rows: list[dict]) -> None:
     fmt = "{:<9} {:<15} {:>5} {:>6} {:>3} {:>11} {:>8} {:>6} {:>7}"
     print(fmt.format("op", "impl", "batch", "ctx", "bs", "us", "GB/s", "%copy", "TFLOP/s"))
@@ -290,12 +220,25 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smaller sweep")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--dtype", default="float32",
+                    help="CPU: query and pool dtypes, comma-separated (float32, bfloat16)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="CPU: cycle through this many pools (30: a step's, read from memory)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default 1)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("On the CPU: decode attention per layer, SmolLM2's shape, fp32, one thread\n")
-        torch.set_num_threads(1)
-        rows = cpu_decode_rows(contexts=(155,) if args.quick else (155, 1024))
-        print_rows(rows)
+        torch.set_num_threads(args.threads)
+        print(f"On the CPU: decode attention per layer, SmolLM2's shape, {args.threads} "
+              f"thread(s), {args.layers} pool(s) in turn; reading memory reaches "
+              f"{read_bandwidth_gbps():.1f} GB/s here\n")
+        rows = []
+        for name in args.dtype.split(","):
+            print(f"{name}:")
+            part = cpu_decode_rows(contexts=(155,) if args.quick else (155, 1024),
+                                   dtype=getattr(torch, name), layers=args.layers,
+                                   repeats=5 if args.layers > 1 else 20)
+            print_rows(part)
+            rows += part
         ok = True
         if triton_available():
             print("\nTriton timings need a CUDA GPU (here its kernels would run in the interpreter);"
