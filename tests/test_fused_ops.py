@@ -94,3 +94,24 @@ def test_fused_ops_travel_to_worker_processes_by_pickle(ops):
     import pickle
     again = pickle.loads(pickle.dumps(ops))
     assert isinstance(again, FusedOps) and again.module is ops.module    # same process: cached
+
+
+def test_the_engine_option_chooses_the_ops_and_refuses_what_cannot_run(tiny):
+    """``layer_ops=`` (ModelConfig): a bf16 model runs either, and their tokens agree but for
+    near-ties (one 16-bit rounding apart); 'fused' on an fp32 model is an error naming it."""
+    from minillm import LLM, SamplingParams
+    from minillm.models import load_model
+
+    model = load_model("tiny-llama", dtype=torch.bfloat16)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [3] * 12]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = {}
+    for ops in ("fused", "eager"):
+        llm = LLM(model, engine="paged", layer_ops=ops, num_blocks=32)
+        assert llm.engine.describe()["layer_ops"] == ops
+        outs[ops] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(a == b for a, b in zip(outs["fused"], outs["eager"])) >= 2
+    with pytest.raises(ValueError, match="layer_ops='fused'"):
+        LLM(tiny, engine="paged", layer_ops="fused", num_blocks=32)
+    with pytest.raises(ValueError, match="unknown layer_ops 'fast'"):
+        LLM(tiny, engine="paged", layer_ops="fast", num_blocks=32)

@@ -34,7 +34,8 @@ COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engin
 
 
 def steady_engine(model, rows: int, context: int, backend: str | None = None,
-                  linear: str | None = None, kv_cache_dtype: str = "auto"):
+                  linear: str | None = None, kv_cache_dtype: str = "auto",
+                  layer_ops: str | None = None):
     """A paged engine with ``rows`` sequences, each ``context`` tokens long and decoding."""
     from ..llm import LLM
     from ..request import Request, SamplingParams
@@ -42,7 +43,7 @@ def steady_engine(model, rows: int, context: int, backend: str | None = None,
     blocks = rows * (-(-(context + 64) // 16)) + 8
     llm = LLM(model, engine="paged", block_size=16, num_blocks=blocks, max_num_seqs=rows,
               max_num_batched_tokens=max(2048, context), attention_backend=backend,
-              linear_backend=linear, kv_cache_dtype=kv_cache_dtype)
+              linear_backend=linear, kv_cache_dtype=kv_cache_dtype, layer_ops=layer_ops)
     engine = llm.engine
     prompt = list(range(100, 100 + context))       # distinct prompts: no prefix-cache sharing
     for i in range(rows):
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="how the KV pool stores K/V, comma-separated: auto, float16, bfloat16, "
                         "int8, fp8 (rung 9); several alternate row by row in one run")
+    p.add_argument("--layer-ops", default=None,
+                   help="a layer's norm/RoPE/SiLU, comma-separated: fused, eager (default: the "
+                        "engine's: fused for bf16 on the CPU); several alternate row by row")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="auto",
                    help="the model's dtype(s), comma-separated: auto, float32, bfloat16 (default "
@@ -181,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.busy} core(s) busy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}; "
           + "; ".join(f"{dtype_name(m.dtype)} matmul peak {peak:.0f} GFLOP/s ({k.name}, 2048^3)"
                       for m, k, peak, _ in setups) + "\n")
-    head = f"{'rows':>5} {'dtype':>8} {'attention':>9} {'linear':>6} {'kv':>8} {'ms/step':>8} " \
+    head = f"{'rows':>5} {'dtype':>8} {'attention':>9} {'ops':>6} {'linear':>6} {'kv':>8} " \
+        f"{'ms/step':>8} " \
         f"{'tok/s':>7} {'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
         "  ".join(f"{c:>13}" for c in COMPONENTS) + f"  {'p90 ms':>7}"
     print(head)
@@ -189,8 +194,10 @@ def run(args: argparse.Namespace) -> int:
         for (model, fastest, peak, floor_net), backend in \
                 ((s, b) for s in setups for b in backends):
             linears = (args.linear or fastest.name).split(",")
-            for linear, kv in ((a, b) for a in linears for b in args.kv_cache_dtype.split(",")):
-                llm = steady_engine(model, rows, args.context, backend, linear, kv)
+            ops = args.layer_ops.split(",") if args.layer_ops else [None]
+            for linear, kv, op in ((a, b, c) for a in linears
+                                   for b in args.kv_cache_dtype.split(",") for c in ops):
+                llm = steady_engine(model, rows, args.context, backend, linear, kv, op)
                 times = sorted(time_steps(llm.engine, args.steps))
                 ms, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
                 parts = breakdown(llm.engine, max(2, args.steps // 2))
@@ -198,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
                 shares = "  ".join(f"{100 * parts[c] / parts['step']:>12.0f}%"
                                    for c in COMPONENTS)
                 print(f"{rows:>5} {dtype_name(model.dtype):>8} {llm.engine.backend.name:>9} "
+                      f"{llm.engine.describe()['layer_ops']:>6} "
                       f"{linear:>6} {kv:>8} {ms:>8.1f} {rows * 1000 / ms:>7.0f} {floor:>7.1f}ms "
                       f"{ms / floor:>6.2f} {gflops:>10.0f} {100 * gflops / peak:>6.0f}%  {shares}"
                       f"  {p90:>7.1f}", flush=True)

@@ -24,6 +24,7 @@ from .policy import MAX_SCORE_WEIGHT, POLICIES
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
 LINEAR_BACKENDS = ("torch", "onednn")
+LAYER_OPS = ("fused", "eager")
 
 
 def option(default, help: str, *, aliases: tuple[str, ...] = (), name: str | None = None):
@@ -131,8 +132,15 @@ class ModelConfig:
     linear_backend: str | None = option(
         None, "paged: linear-layer kernel, torch (F.linear) or onednn (weights reordered once; "
               "default for fp32 on the CPU where it works, else torch)")
+    layer_ops: str | None = option(
+        None, "paged: a layer's RMSNorm, RoPE and SiLU, fused (one C++ pass each: the default for "
+              "bf16/fp16 on the CPU where it builds) or eager (torch ops: fp32's, and the "
+              "reference)")
 
     def __post_init__(self):
+        if self.layer_ops not in (None, *LAYER_OPS):
+            raise ValueError(f"unknown layer_ops {self.layer_ops!r}: choose "
+                             f"{' or '.join(map(repr, LAYER_OPS))}")
         if self.linear_backend not in (None, *LINEAR_BACKENDS):
             raise ValueError(f"unknown linear_backend {self.linear_backend!r}: choose "
                              f"{' or '.join(map(repr, LINEAR_BACKENDS))}")

@@ -25,6 +25,7 @@ from .beam import select_beams as core_select_beams
 from .block_manager import BlockManager
 from .kv_quant import get_format
 from .config import CacheConfig, ModelConfig, SchedulerConfig
+from .fused import layer_ops
 from .linear import get_linear_kernel
 from .policy import make_policy
 from .runner import ModelRunner
@@ -81,7 +82,8 @@ class PagedEngine(Engine):
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
         extension point later rungs override (rung 7 runs a stage of the layers)."""
         return ModelRunner(self.model, num_blocks, block_size, backend,
-                           linear_kernel=self.linear_kernel(), kv_format=self.kv_format)
+                           linear_kernel=self.linear_kernel(), kv_format=self.kv_format,
+                           ops=self.layer_ops())
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -95,6 +97,10 @@ class PagedEngine(Engine):
         """The kernel of the linear layers ``model_config.linear_backend`` names (linear.py)."""
         return get_linear_kernel(self.model_config.linear_backend, self.model.device,
                                  self.model.dtype)
+
+    def layer_ops(self):
+        """A layer's elementwise steps as ``model_config.layer_ops`` names them (fused.py)."""
+        return layer_ops(self.model.dtype, self.model.device, self.model_config.layer_ops)
 
     # --- requests ---------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -257,7 +263,7 @@ class PagedEngine(Engine):
     # --- what views may ask (core/interface.py) -----------------------------------------------------
     def describe(self) -> dict:
         return {**super().describe(), "policy": self.scheduler.policy.name,
-                "kv_cache_dtype": self.kv_format.name}
+                "kv_cache_dtype": self.kv_format.name, "layer_ops": self.runner.net.ops.name}
 
     def requests_in_flight(self) -> tuple[list[Request], list[Request]]:
         return ([g.request for g in self.scheduler.running],

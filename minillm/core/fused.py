@@ -78,11 +78,20 @@ class FusedOps(EagerOps):
         return self.module.silu_mul(gate_up.contiguous())
 
 
-def layer_ops(dtype: torch.dtype, device: torch.device) -> EagerOps:
-    """``FusedOps`` for a 16-bit model on the CPU where the extension builds, else ``EagerOps``."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+def layer_ops(dtype: torch.dtype, device: torch.device, name: str | None = None) -> EagerOps:
+    """The ops ``name`` asks for (``ModelConfig.layer_ops``); by default ``FusedOps`` for a
+    16-bit model on the CPU where the extension builds, else ``EagerOps``."""
+    if name == "eager":
         return EagerOps()
-    return _for_16_bit()
+    fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if name == "fused" and not fits:
+        raise ValueError(f"layer_ops='fused' computes bf16/fp16 on the CPU, not {dtype} on "
+                         f"{device.type}: use 'eager'")
+    ops = _for_16_bit() if fits else EagerOps()
+    if name == "fused" and not isinstance(ops, FusedOps):
+        raise ValueError(f"layer_ops='fused': the extension could not be built "
+                         f"({_state.get('error')})")
+    return ops
 
 
 def _for_16_bit() -> EagerOps:

@@ -38,9 +38,10 @@ class LayerWeights:
 class PagedLlama:
     """A functional Llama/Qwen2 decoder that reads K/V from paged pools."""
 
-    def __init__(self, hf_model: torch.nn.Module, linear_kernel=None):
+    def __init__(self, hf_model: torch.nn.Module, linear_kernel=None, ops=None):
         """``linear_kernel``: what computes the matrix products (``get_linear_kernel``'s choice
-        for the model's device and dtype by default)."""
+        for the model's device and dtype by default); ``ops``: the layer's elementwise steps
+        (fused.py; ``layer_ops``' choice by default)."""
         c = hf_model.config
         self.num_heads = c.num_attention_heads
         self.num_kv_heads = c.num_key_value_heads
@@ -57,7 +58,7 @@ class PagedLlama:
         self.layers = [self._layer(sd, f"model.layers.{i}.", k)
                        for i in range(c.num_hidden_layers)]
         self.cos, self.sin = self._rope_tables(hf_model, c.max_position_embeddings)
-        self.ops = layer_ops(self.embed.dtype, self.embed.device)   # fused.py: norm, RoPE, SiLU
+        self.ops = ops or layer_ops(self.embed.dtype, self.embed.device)   # norm, RoPE, SiLU
 
     @staticmethod
     def _layer(sd: dict, p: str, kernel) -> LayerWeights:

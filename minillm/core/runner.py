@@ -72,14 +72,14 @@ class ModelRunner:
     def __init__(self, model: LoadedModel | None, num_blocks: int, block_size: int, backend, *,
                  net: PagedLlama | None = None, layers: range | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 linear_kernel=None, kv_format: KVCacheFormat = FORMATS["auto"]):
+                 linear_kernel=None, kv_format: KVCacheFormat = FORMATS["auto"], ops=None):
         """``kv_format``: how the pool stores K/V (rung 9's ``kv_cache_dtype``); ``net`` defaults to ``PagedLlama(model.hf_model, linear_kernel)`` (its weights, read
         once; ``linear_kernel``: see core/linear.py),
         ``layers`` to all of them, ``device`` and ``dtype`` to the model's; without ``model``,
         give all three."""
         if model is None and (net is None or device is None or dtype is None):
             raise ValueError("ModelRunner needs a model, or net=, device= and dtype=")
-        self.net = net if net is not None else PagedLlama(model.hf_model, linear_kernel)
+        self.net = net if net is not None else PagedLlama(model.hf_model, linear_kernel, ops)
         self.layers = layers if layers is not None else range(len(self.net.layers))
         n = len(self.net.layers)
         if self.layers.step != 1 or not 0 <= self.layers.start <= self.layers.stop <= n:

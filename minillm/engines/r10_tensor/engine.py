@@ -50,7 +50,8 @@ class TensorParallelEngine(PipelineEngine):
             self.model_config.linear_backend, c.all_reduce)
         # The whole model, for the workers to take their parts of (shared memory, no copy):
         # TorchLinear packs nothing, each rank packs its own slices for the chosen kernel.
-        return TensorStageRunner(PagedLlama(self.model.hf_model, TorchLinear()), 0, config,
+        whole = PagedLlama(self.model.hf_model, TorchLinear(), self.layer_ops())
+        return TensorStageRunner(whole, 0, config,
                                  backend, self.model.device, self.model.dtype,
                                  AllReduce(c.all_reduce))
 

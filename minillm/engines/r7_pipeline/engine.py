@@ -125,8 +125,8 @@ class PipelineEngine(PagedEngine):
         theirs from the same ``StageConfig`` (``runner.config``), which ``connect`` sends them."""
         config = StageConfig(self.parallel_config.pipeline_parallel_size, num_blocks, block_size,
                              self.model_config.attention_backend, self.cache_config.kv_cache_dtype)
-        return StageRunner(PagedLlama(self.model.hf_model, self.linear_kernel()), 0, config,
-                           backend, self.model.device, self.model.dtype)
+        net = PagedLlama(self.model.hf_model, self.linear_kernel(), self.layer_ops())
+        return StageRunner(net, 0, config, backend, self.model.device, self.model.dtype)
 
     # --- one step: fill the pipeline, then finish its oldest micro-batch ---------------------------
     def has_unfinished(self) -> bool:
