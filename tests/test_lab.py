@@ -194,6 +194,18 @@ def test_questions_check_answers_computed_from_the_engine(smol, capsys):
         lab.check("9.q9", 1)
 
 
+def test_question_truths_by_definition_equal_runs_of_the_package_s_code():
+    """The truths that must not run exercised code (a handout's stubs) agree with a run of the
+    package's own code, on the questions' numbers and on others (a partly filled block too)."""
+    from minillm.lab import questions as q
+    for args in ((), (70, 20, 3, 16), (5, 9, 2, 4), (64, 1, 4, 16)):
+        assert q.blocks_by_definition(*args) == q.blocks_independent_vs_shared(*args), args
+    for args in ((), (29, 3, 3, 4), (4, 8, 0, 4), (30, 8, 8, 4)):
+        assert q.returned_by_definition(*args) == q.blocks_returned_after_rejection(*args), args
+    for args in ((), (1, 1), (300, 2), (7, 0)):
+        assert q.overtake_horizon_by_definition(*args) == q.score_overtake_horizon(*args), args
+
+
 # --- grading a student cannot forge (issue 26) -------------------------------------------------------
 def skeleton(ex_id: str, tmp_path) -> str:
     return start(EXERCISES[ex_id], tmp_path / "fresh", force=True).read_text()
@@ -208,10 +220,11 @@ def _passed(cls, item, call):
     return rep
 _r.TestReport.from_item_and_call = classmethod(_passed)
 """
-CHEATS = {   # prepended to a blank skeleton of exercise 03
-    "os._exit(0) on import": "import os\nos._exit(0)\n",
-    "atexit: exit 0 after the failures": "import atexit, os\natexit.register(lambda: os._exit(0))\n",
-    "pytest's reports patched to passed": PATCH_REPORTS,
+CHEATS = {   # run at the import of a blank skeleton of exercise 03: (code, the reason given)
+    "os._exit(0) on import": ("import os\nos._exit(0)\n", "ended (exit code 0)"),
+    "atexit: exit 0 after the failures": (
+        "import atexit, os\natexit.register(lambda: os._exit(0))\n", "is not written yet"),
+    "pytest's reports patched to passed": (PATCH_REPORTS, "is not written yet"),
 }
 
 
@@ -219,9 +232,11 @@ CHEATS = {   # prepended to a blank skeleton of exercise 03
 @pytest.mark.parametrize("cheat", list(CHEATS))
 def test_generic_cheats_do_not_pass(cheat, tmp_path):
     ex = EXERCISES["03"]
-    done = grade(ex, tmp_path, CHEATS[cheat] + skeleton("03", tmp_path))
+    code, why = CHEATS[cheat]
+    head, sep, rest = skeleton("03", tmp_path).partition("from __future__ import annotations\n")
+    done = grade(ex, tmp_path, head + sep + code + rest)      # after the __future__ import
     assert done.returncode != 0, f"{cheat}: passed\n{done.stdout[-2000:]}"
-    assert "verdict: not passed" in done.stdout
+    assert "verdict: not passed" in done.stdout and why in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.slow
@@ -231,16 +246,17 @@ def test_replacing_what_graders_compare_with_does_not_pass(tmp_path):
     old, new = WRONG["04"]
     source = ex.source_path.read_text().replace(old, new)
     done = grade(ex, tmp_path, source + "\ntorch.allclose = lambda *a, **k: True\n")
-    assert done.returncode != 0 and "replaced torch.allclose" in done.stdout, done.stdout[-2000:]
+    # judged in the grading process, whose torch.allclose the student's process cannot reach
+    assert done.returncode != 0 and "decode differs" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.slow
 def test_the_package_s_own_code_is_not_a_solution(tmp_path):
     ex = EXERCISES["03"]
-    for source in (ex.source_path.read_text(),                    # copied
-                   f"exec(open({str(ex.source_path)!r}).read())\n"):   # run from the package
+    for source, why in ((ex.source_path.read_text(), "near-copy"),                  # copied
+                        (f"exec(open({str(ex.source_path)!r}).read())\n", "package's own")):
         done = grade(ex, tmp_path, source)
-        assert done.returncode != 0 and "package's own code" in done.stdout, done.stdout[-2000:]
+        assert done.returncode != 0 and why in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.slow
@@ -281,7 +297,8 @@ def test_pytest_arguments_after_double_dash_wherever_it_falls(tmp_path, capsys):
 
 # --- teacher mode -------------------------------------------------------------------------------------
 def solved(ex_id: str) -> str:
-    """The reference's code with one harmless statement added: a solution, not a copy."""
+    """The reference's code with one harmless statement added: a near-copy (issue 40: it scores
+    0 where the reference is at hand to compare with, i.e. not in a handout)."""
     source = EXERCISES[ex_id].source_path.read_text()
     assert "        # Tail first" in source
     return source.replace("        # Tail first", "        _ = 0\n        # Tail first", 1)
@@ -303,18 +320,19 @@ def test_grade_a_class_of_three(tmp_path):
     (cls / "dan").mkdir()                                       # handed in nothing
     grades = grade_class(cls, ["03"], tmp_path / "grades", progress=lambda *_: None)
     by = {g.student: g for g in grades}
-    assert by["ann"].passed and by["ann"].points == 1.0 and by["ann"].tests_total >= 4
+    assert not by["ann"].passed and by["ann"].copy and by["ann"].points == 0    # a near-copy
+    assert by["ann"].tests_run == by["ann"].tests_total >= 4, "every test ran and passed"
     assert not by["bob"].passed and 0 <= by["bob"].points < 1 and "failed" in by["bob"].reason
-    assert not by["eve"].passed and by["eve"].points == 0 and "no test" in by["eve"].reason
+    assert not by["eve"].passed and by["eve"].points == 0 and "syntax error, line 24" in by["eve"].reason   # (the old check hid it)
     assert not by["dan"].passed and by["dan"].reason == "no 03/block_manager.py"
     rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
-    assert [(r["student"], r["passed"]) for r in rows] == [("ann", "1"), ("bob", "0"),
-                                                          ("dan", "0"), ("eve", "0")]
+    assert [(r["student"], r["passed"], r["copy"]) for r in rows] == [
+        ("ann", "0", "1"), ("bob", "0", "1"), ("dan", "0", "0"), ("eve", "0", "0")]   # bob: a near-copy too
     suites = ET.parse(tmp_path / "grades.xml").getroot()
     assert [s.get("name") for s in suites] == ["ann", "bob", "dan", "eve"]
-    assert [s.get("failures") for s in suites] == ["0", "1", "1", "1"]
+    assert [s.get("failures") for s in suites] == ["1", "1", "1", "1"]
     text = table(grades)
-    assert "ann" in text and "passed: 03 1/4" in text
+    assert "ann" in text and "copy" in text and "passed: 03 0/4" in text
 
 
 @pytest.mark.slow
@@ -332,13 +350,45 @@ def test_handout_has_no_solutions_and_its_check_uses_the_teacher_s_graders(tmp_p
             mine = function_bodies(f.read_text(encoding="utf-8"), ex.functions)
             same = [k for k, v in ref.items() if mine.get(k) == v]
             assert not same, f"{f}: reference bodies of {same}"
-    out = handout(tmp_path / "students-03", ["03"])     # only exercise 03 left to write
+    out = handout(tmp_path / "students-03", ["03", "08", "11"])     # three exercises to write
     env = {**os.environ, "PYTHONPATH": str(out)}
     run = lambda *a: subprocess.run([sys.executable, "-m", "minillm.lab", *a], cwd=out, env=env,
                                     capture_output=True, text=True)
     assert run("answers").returncode == 2
+    # the key is not reachable through truth(); the questions about stubbed code still check
+    py = lambda code: subprocess.run([sys.executable, "-c", code], cwd=out / "notebooks",
+                                     env=env, capture_output=True, text=True)
+    asked = py("from minillm import lab\nfrom minillm.lab.questions import QUESTIONS\n"
+               "try:\n    QUESTIONS['09.q1'].truth()\nexcept PermissionError:\n"
+               "    print('refused')\nfor q in ('03.q3', '06.q1', '08.q1'):\n    lab.check(q, 1)")
+    assert asked.returncode == 0 and asked.stdout.count("not yet") == 3, asked.stderr[-2000:]
+    assert "refused" in asked.stdout
     assert "has none" in run("check", "03").stderr + run("check", "03").stdout
     (out / "labwork" / "03").mkdir(parents=True)
     (out / "labwork" / "03" / "block_manager.py").write_text(solved("03"))
+    # a notebook's first cell (run in notebooks/): the solution stands in for the stub, the
+    # unsolved exercises are named
+    nb = py("from minillm.lab import labwork\nused = labwork.use()\n"
+            "from minillm.core.block_manager import BlockManager\n"
+            "print(sorted(used), BlockManager(4, 4).blocks_needed.__code__.co_filename)")
+    assert nb.returncode == 0, nb.stderr[-2000:]
+    assert "['minillm.core.block_manager']" in nb.stdout and "labwork/03" in nb.stdout
+    assert "exercise 08 is yours to write" in nb.stdout and "exercise 11" in nb.stdout
     graded = run("check", "03", "--graders", str(PACKAGE_ROOT / "minillm/lab/graders"))
     assert graded.returncode == 0, graded.stdout[-2000:] + graded.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_handout_notebook_runs_on_the_student_s_solution(tmp_path, monkeypatch):
+    """Notebook 03 in a handout where exercise 03 is a stub, run as a student runs it (quick
+    mode, from notebooks/): its first cell stands labwork/03 in for the stub, and every cell runs."""
+    from test_notebooks import run_notebook
+
+    from minillm.lab.teacher import handout
+    out = handout(tmp_path / "students", ["03"])
+    (out / "labwork" / "03").mkdir(parents=True)
+    (out / "labwork" / "03" / "block_manager.py").write_text(solved("03"))
+    monkeypatch.setenv("PYTHONPATH", str(out))            # the kernel imports the handout's copy
+    nb = run_notebook(out / "notebooks" / "03_block_manager.ipynb", monkeypatch)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "your solutions:" in text and "labwork/03/block_manager.py" in text, text[:2000]

@@ -65,9 +65,12 @@ def cmd_handout(args) -> int:
     exercises = [e.strip() for e in args.exercises.split(",") if e.strip()] or list(EXERCISES)
     for e in exercises:
         get(e)
-    out = handout(Path(args.out), exercises)
+    out = handout(Path(args.out), exercises, with_graders=args.with_graders)
+    shipped = "the graders in lab-graders/ (students see the tests)" if args.with_graders else \
+        "no graders"
     print(f"wrote the students' repository to {out}: exercises {', '.join(exercises)} as stubs; "
-          "no graders, tests, answer key or history. Grade with `lab grade --class` here.")
+          f"{shipped}; no tests, answer key or history. Students read docs/STUDENTS.md. Grade "
+          "with `lab grade --class` here.")
     return 0
 
 
@@ -121,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     h = sub.add_parser("handout", help="teacher: write the students' repository")
     h.add_argument("out", help="a new folder")
     h.add_argument("--exercises", default="", help="comma-separated (default: all)")
+    h.add_argument("--with-graders", action="store_true",
+                   help="ship the graders (lab-graders/) so that students can run `lab check`")
     h.set_defaults(fn=cmd_handout)
     sub.add_parser("answers", help="the teacher's key to the numeric questions") \
         .set_defaults(fn=cmd_answers)

@@ -101,11 +101,13 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "minillm.engines.r10_tensor.shard",
              ("head_split", "shard_layer", "RowParallelLinear.__call__"), "10_tensor_parallel", 35,
              "Rank r computes query heads [r*H/T, (r+1)*H/T) and the KV heads they read (KVH/T of "
-             "them, or, when T is a multiple of KVH, KV head r // (T/KVH)); anything else is a "
-             "ValueError. qkv keeps its q rows, then its KV heads' k rows and v rows (and the same "
-             "bias rows); gate_up its intermediate units of gate and of up; o and down keep the "
-             "matching input columns. A row-parallel call multiplies its slice, adds the residual "
-             "on rank 0 only, then returns the all-reduce of that."),
+             "them, or, when T is a multiple of KVH, KV head r // (T/KVH)). Raise ValueError "
+             "when the split cannot be made: T < 1, a rank outside 0 <= r < T, T not dividing "
+             "H, or neither of T and KVH dividing the other. qkv keeps its q rows, then its KV "
+             "heads' k rows and v rows (and the same bias rows); gate_up its intermediate units "
+             "of gate and of up; o and down keep the matching input columns. A row-parallel call "
+             "multiplies its slice, adds the residual on rank 0 only, then returns the all-reduce "
+             "of that."),
     Exercise("11", "Disaggregation: the KV hand-off between the prefill and the decode worker",
              "minillm.engines.r11_disagg.transfer",
              ("filled_blocks", "Handoff.nbytes", "recv_blocks", "land"),

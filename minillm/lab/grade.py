@@ -4,13 +4,17 @@
     python -m minillm.lab check 03          # runs the grader against labwork/03/block_manager.py
     python -m minillm.lab check 03 --reference   # the package's own code (must pass)
 
-The grader runs in a fresh Python process (``_bootstrap.py``) in which the student's file *is*
-the package's module, so the real engine — scheduler, runner, sampler — runs the student's code
-and the grader compares tokens with Hugging Face ``generate`` and checks invariants. Code is never
-compared with code: any correct solution passes.
+The grader runs in the teacher's process (``_bootstrap.py``, a fresh Python with the package's
+own modules: the reference), never with the student's code in it. Each test sends its inputs to the
+student's process (``sandbox.Student``: a copy of the package in which the student's file *is* the
+module, so the real engine runs the student's code), gets the returned values back as plain data,
+and judges them here: against the reference, Hugging Face ``generate`` or the function's contract.
+Code is never compared with code to pass: any correct solution passes; ``flags`` only lists a
+near-copy of the reference (which scores 0) and lines a teacher should read.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import hmac
 import json
@@ -21,11 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import flags
 from .exercises import Exercise
-from .skeleton import function_bodies, make_skeleton
+from .skeleton import make_skeleton
 
 DEFAULT_DIR = Path("labwork")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the folder that holds minillm/
+SHIPPED_GRADERS = "lab-graders"      # where `lab handout --with-graders` puts them
 
 
 def student_file(ex: Exercise, workdir: Path = DEFAULT_DIR) -> Path:
@@ -44,43 +50,78 @@ def start(ex: Exercise, workdir: Path = DEFAULT_DIR, force: bool = False) -> Pat
     return path
 
 
+def judged_outside(grader: Path) -> bool:
+    """Whether the grader runs the student's code in the student's process (``OUTSIDE = True`` at
+    its top level, as every grader of this package does). One without it (an old grader a teacher
+    kept) would judge in the process the student's code runs in: ``check`` refuses it."""
+    tree = ast.parse(grader.read_text(encoding="utf-8"))
+    return any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "OUTSIDE" for t in n.targets)
+               and getattr(n.value, "value", False) is True for n in tree.body)
+
+
+def _stand_ins(ex: Exercise, path: Path | None, also: dict[str, Path] | None) -> dict[str, Path]:
+    files = {m: Path(f).resolve() for m, f in (also or {}).items() if m != ex.module}
+    if path is not None:
+        files[ex.module] = Path(path).resolve()
+    return files
+
+
+def _refused(cmd: list, why: str, capture: bool) -> subprocess.CompletedProcess:
+    """A grading that ends before any test runs (a file that does not parse)."""
+    done = subprocess.CompletedProcess(cmd, 1, f"\nverdict: not passed: {why}\n", "")
+    done.results, done.review = ([], {}), {"copy": None, "lines": []}
+    if not capture:
+        print(done.stdout, end="")
+    return done
+
+
 def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] = (),
           timeout: int = 1200, capture: bool = False, test_limit_s: float = 300.0,
           graders: Path | None = None,
           also: dict[str, Path] | None = None) -> subprocess.CompletedProcess:
     """Run ``ex``'s grader with ``path`` (a student's file; None: the package's own code) standing
     in for the module. Returns the finished process whose ``returncode`` is the verdict (0 =
-    passed), decided here from the signed results (``verdict``), never from the exit code of the
-    process that ran the student's code; ``stdout`` ends with the verdict's reason when captured.
-    ``timeout``: the whole grading; ``test_limit_s``: each test. ``graders``: a folder holding
-    ``test_<id>.py`` and its ``conftest.py`` (a teacher's, for a handout without them); ``also``:
-    more stand-ins, module -> file (a student's other exercises, in a handout). The parsed
-    results are ``done.results``: (test ids collected, {test id: (outcome, detail)})."""
+    passed), decided here from the grading process's results (``verdict``); ``stdout`` ends with
+    the verdict's reason when captured. ``timeout``: the whole grading; ``test_limit_s``: each test,
+    and each call into the student's process. ``graders``: a folder holding ``test_<id>.py`` and
+    its ``conftest.py`` (a teacher's, for a handout without them); ``also``: more stand-ins,
+    module -> file (a student's other exercises, in a handout). ``done.results``: (test ids
+    collected, {test id: (outcome, detail)}); ``done.review``: ``flags.review`` of the file."""
+    shipped = PACKAGE_ROOT / SHIPPED_GRADERS       # a handout made with --with-graders
+    if graders is None and not ex.grader.exists() and shipped.is_dir():
+        graders = shipped
     grader = Path(graders) / ex.grader.name if graders else ex.grader
     if not grader.exists():
         raise SystemExit(f"no grader {grader}: this copy has none (a handout?): your teacher "
                          f"grades with theirs, or pass --graders FOLDER")
-    overrides = [f"{module}={Path(f).resolve()}" for module, f in (also or {}).items()
-                 if module != ex.module]
-    if path is not None:
-        path = Path(path).resolve()
-        if not path.exists():
-            raise SystemExit(f"{path} does not exist: run `python -m minillm.lab start {ex.id}` "
-                             "first (or pass --file)")
-        overrides.append(f"{ex.module}={path}")
+    if path is not None and not Path(path).exists():
+        raise SystemExit(f"{Path(path).resolve()} does not exist: run `python -m minillm.lab start "
+                         f"{ex.id}` first (or pass --file)")
+    files = _stand_ins(ex, path, also)
+    for f in files.values():
+        if (why := flags.syntax_error(f)) is not None:
+            return _refused([], f"{f.name}: {why}", capture)
+    if not judged_outside(grader):
+        raise SystemExit(f"{grader} does not judge outside the student's process (no `OUTSIDE = "
+                         "True`): its tests would run the student's code in the grading process, "
+                         "where nothing it reports can be believed. Write it with "
+                         "`student.run(probe, ...)` (see minillm/lab/sandbox.py)")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")     # no stale .pyc of a student's file
+    env["MINILLM_LAB_STUDENT"] = os.pathsep.join(f"{m}={f}" for m, f in files.items())
+    env["MINILLM_LAB_CALL_LIMIT_S"] = str(test_limit_s)
     secret = secrets.token_hex(32)
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
+        env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(Path(tmp) / ".hypothesis")   # no litter
         results = Path(tmp) / "results"
         cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), str(results),
-               str(test_limit_s), str(grader), *overrides, "--", "-q", "--tb=short", "-p",
-               "no:cacheprovider", "--no-header", "-o", "addopts=", "-W",
-               "ignore::DeprecationWarning", *pytest_args]
+               str(test_limit_s), str(grader.resolve()), "--", "-q", "--tb=short",
+               "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", "--rootdir",
+               str(grader.resolve().parent), "-W", "ignore::DeprecationWarning", *pytest_args]
         try:
             done = subprocess.run(cmd, env=env, timeout=timeout, text=True, input=secret + "\n",
-                                  capture_output=capture)
+                                  capture_output=capture, cwd=tmp)
             late = None
         except subprocess.TimeoutExpired as e:
             done = subprocess.CompletedProcess(cmd, 1, _text(e.stdout), _text(e.stderr))
@@ -88,13 +129,27 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
         text = results.read_text(encoding="utf-8") if results.exists() else ""
         done.results = read_results(text, secret.encode())
         why = late or verdict(done.results, ex, path)
-    note = f"\nverdict: {'passed' if why is None else 'not passed: ' + why}\n"
+    done.review = flags.review(ex.source_path if path is not None else None, Path(path),
+                               ex.functions) if path is not None else {"copy": None, "lines": []}
+    if why is None and done.review["copy"] is not None:
+        why = (f"a near-copy of the package's own {ex.file_name} (similarity "
+               f"{done.review['copy']:.2f} by syntax tree): not a solution")
+    note = format_review(done.review)
+    note += f"\nverdict: {'passed' if why is None else 'not passed: ' + why}\n"
     if capture:
         done.stdout = (done.stdout or "") + note
-    elif why is not None:
+    else:
         print(note, end="")
     done.returncode = 0 if why is None else 1
     return done
+
+
+def format_review(review: dict) -> str:
+    """The lines a teacher should read (``flags.suspicious_lines``), one per line."""
+    if not review["lines"]:
+        return ""
+    rows = "".join(f"\n  line {n}: [{what}] {line}" for n, what, line in review["lines"][:20])
+    return f"\nfor the teacher's review ({len(review['lines'])} line(s) reach into the machinery):{rows}"
 
 
 def _text(out) -> str:
@@ -120,34 +175,19 @@ def read_results(text: str, key: bytes) -> tuple[list[str], dict] | str:
 
 def verdict(results: tuple[list[str], dict] | str, ex: Exercise,
             path: Path | None) -> str | None:
-    """None if every test of the grader ran and passed, by the signed results; else why not."""
+    """None if every test of the grader ran and passed; else why not."""
     if isinstance(results, str):
         return results
     collected, outcomes = results
     if not collected:
-        return "no test of the grader ran (did the code end the process while it was imported?)"
+        return ("the grader collected no test (an error in the grader or its set-up: the output "
+                "above says where)")
     missing = [n for n in collected if n not in outcomes]
     failed = [(n, d) for n, (k, d) in outcomes.items() if k != "passed"]
     if failed:
         return f"{len(failed)} test(s) failed, first {failed[0][0]}: {failed[0][1]}"
     if missing:
-        return (f"{len(missing)} of {len(collected)} tests did not finish, first {missing[0]} "
-                "(a time limit, a crash, or a run cut short with -x/-k: only a full run counts)")
-    if path is not None and copies_reference(ex, path):
-        return (f"the functions of exercise {ex.id} in {path.name} are the package's own code, "
-                "not a solution")
+        return (f"{len(outcomes)} of the grader's {len(collected)} tests ran; {len(missing)} did "
+                f"not finish, first {missing[0]} (a time limit, a crash, or a run cut short with "
+                "-x/-k: only a full run counts)")
     return None
-
-
-def copies_reference(ex: Exercise, path: Path) -> bool:
-    """Whether every exercised function of the student's file is the reference's, statement for
-    statement (docstrings and comments aside), or the file runs the package's own module."""
-    text = path.read_text(encoding="utf-8")
-    if ex.source_path.name in text and ("exec" in text or "import_module" in text
-                                        or "spec_from" in text):
-        return True
-    try:
-        mine = function_bodies(text, ex.functions)
-    except SyntaxError:
-        return False
-    return mine == function_bodies(ex.source_path.read_text(encoding="utf-8"), ex.functions)

@@ -2,8 +2,11 @@
 
 ``lab.check("01.q3a", answer)`` in a notebook says whether an answer is right (within a tolerance)
 without printing the expected value; the truth is computed from the model's configuration and the
-package's own code each time, never typed in. ``python -m minillm.lab answers`` prints the key for
-the teacher.
+package's own code each time, never typed in — but never by running a function an exercise asks
+students to write (in a handout those are stubs): where a question is about such a function, the
+truth is its definition's arithmetic, and ``tests/test_lab.py`` checks that arithmetic against a
+run of the package's own code. ``python -m minillm.lab answers`` prints the key for the teacher;
+in a handout ``Question.truth()`` refuses, as ``answers`` does.
 """
 from __future__ import annotations
 
@@ -49,6 +52,12 @@ def smollm2_all_reduce_bytes_per_token(tensor_parallel_size: int) -> float:
     return tp_bytes_per_token(c.hidden_size, c.num_hidden_layers, tensor_parallel_size)
 
 
+def handoff_bytes(prompt_len: int, block_size: int = 16) -> int:
+    """Bytes rung 11 moves for one prompt of ``prompt_len`` tokens on SmolLM2 (fp32): the blocks
+    holding all but its last token, whole: ceil((prompt_len - 1) / block_size) of them."""
+    return -(-(prompt_len - 1) // block_size) * block_size * smollm2_kv_bytes_per_token()
+
+
 def smollm2_handoff_bytes(prompt_len: int, block_size: int = 16) -> int:
     """Bytes rung 11 moves from the prefill worker to the decode worker for one prompt of
     ``prompt_len`` tokens on SmolLM2 (fp32): the blocks holding all but its last token
@@ -57,6 +66,18 @@ def smollm2_handoff_bytes(prompt_len: int, block_size: int = 16) -> int:
 
     moved = filled_blocks(list(range(prompt_len)), prompt_len - 1, block_size)
     return len(moved) * block_size * smollm2_kv_bytes_per_token()
+
+
+def blocks_by_definition(prompt_len: int = 64, out_len: int = 20, n: int = 3,
+                         block_size: int = 16) -> tuple[int, int]:
+    """``blocks_independent_vs_shared`` by the block manager's definition: each request alone
+    holds ceil((prompt + output) / block_size) blocks; ``n`` samples share the prompt's full
+    blocks, and each has its own blocks for the rest (its copy of a partly filled prompt block
+    included)."""
+    def cdiv(a: int) -> int:
+        return -(-a // block_size)
+    full = prompt_len // block_size
+    return n * cdiv(prompt_len + out_len), full + n * (cdiv(prompt_len + out_len) - full)
 
 
 def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int = 3,
@@ -91,6 +112,15 @@ def blocks_independent_vs_shared(prompt_len: int = 64, out_len: int = 20, n: int
     return used(alone), used(shared)
 
 
+def returned_by_definition(computed: int = 30, guesses: int = 8, accepted: int = 1,
+                           block_size: int = 4) -> int:
+    """``blocks_returned_after_rejection`` by the definition: the blocks for every verified
+    position, minus the blocks for the positions kept."""
+    def cdiv(a: int) -> int:
+        return -(-a // block_size)
+    return cdiv(computed + 1 + guesses) - cdiv(computed + 1 + accepted)
+
+
 def blocks_returned_after_rejection(computed: int = 30, guesses: int = 8, accepted: int = 1,
                                     block_size: int = 4) -> int:
     """Blocks a sequence gives back when it verified ``guesses`` guesses after ``computed``
@@ -109,6 +139,16 @@ def blocks_returned_after_rejection(computed: int = 30, guesses: int = 8, accept
     return held - len(seq.block_table)
 
 
+def overtake_horizon_by_definition(max_tokens: int = 128, priority: int = 1) -> int:
+    """``score_overtake_horizon`` from ``Score``'s default weights and the bound's formula (a
+    request that has generated nothing has ``max_tokens`` remaining)."""
+    from ..core.policy import Score
+
+    w = Score()
+    head = w.priority_weight * priority + w.remaining_weight * max_tokens + w.margin
+    return max(0, math.floor(head / w.wait_weight))
+
+
 def score_overtake_horizon(max_tokens: int = 128, priority: int = 1) -> int:
     """Steps after a waiting ``priority``-1 request with ``max_tokens`` arrives during which a
     later priority-0 request can still rank ahead of it under ``score``'s default weights,
@@ -123,13 +163,26 @@ def score_overtake_horizon(max_tokens: int = 128, priority: int = 1) -> int:
     return Score().overtake_horizon(group, min_priority=0)
 
 
+def in_handout() -> bool:
+    """A students' copy (``lab handout``): it has no graders, and the key stays with the teacher."""
+    from pathlib import Path
+    return not (Path(__file__).parent / "graders").is_dir()
+
+
 @dataclass(frozen=True)
 class Question:
     id: str
     text: str
-    truth: Callable[[], object]
+    compute: Callable[[], object]
     hint: str
     rel_tol: float = 0.01
+
+    def truth(self) -> object:
+        """The expected answer (the teacher's key); refused in a handout."""
+        if in_handout():
+            raise PermissionError("this copy is a handout: the key stays with the teacher "
+                                  f"(check an answer with lab.check({self.id!r}, answer))")
+        return self.compute()
 
 
 QUESTIONS: dict[str, Question] = {q.id: q for q in [
@@ -146,19 +199,19 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "tokens used / slots reserved per row, as a fraction between 0 and 1"),
     Question("03.q3", "(blocks held by 3 independent requests, blocks held by one request with "
              "n = 3) for a 64-token prompt, block_size 16, 20 output tokens per sample",
-             blocks_independent_vs_shared,
+             blocks_by_definition,
              "a tuple of two integers; with n = 3 the prompt's 4 full blocks are stored once",
              rel_tol=0.0),
     Question("06.q1", "blocks given back to the pool when a sequence with 30 computed tokens and "
              "a newest one verifies 8 guesses (block_size 4) and only 1 guess is accepted",
-             blocks_returned_after_rejection,
+             returned_by_definition,
              "the verification held slots for 30 + 1 + 8 tokens; afterwards the sequence keeps "
              "K/V for 30 + 1 + 1 positions (the target's own next token has none yet); count "
              "whole blocks of 4 before and after", rel_tol=0.0),
     Question("08.q1", "under policy score with its default weights, for how many steps after a "
              "batch request (priority 1, max_tokens 128) arrives can a later interactive request "
              "(priority 0) still be served before it? (D of the starvation bound)",
-             score_overtake_horizon,
+             overtake_horizon_by_definition,
              "D = (priority_weight × (1 − 0) + remaining_weight × 128 + margin) / wait_weight, "
              "rounded down; the weights are Score's defaults in core/policy.py", rel_tol=0.0),
     Question("09.q1", "blocks of 16 tokens in a 1 GiB KV pool on SmolLM2 with "
@@ -172,7 +225,7 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              rel_tol=1e-9),
     Question("11.q1", "bytes the disagg engine moves from the prefill worker to the decode "
              "worker for one 1000-token prompt on SmolLM2 (fp32 cache, block_size 16)",
-             lambda: smollm2_handoff_bytes(1000),
+             lambda: handoff_bytes(1000),
              "the prefill worker computes every prompt token but the last; the blocks holding "
              "them move whole (the last one partly filled); one token is 30 layers × (K and V) × "
              "3 KV heads × 64 × 4 bytes", rel_tol=0.0),
@@ -197,7 +250,7 @@ def is_right(question_id: str, answer) -> bool:
     q = QUESTIONS.get(str(question_id))
     if q is None:
         raise KeyError(f"no question {question_id!r}: known ones are {', '.join(QUESTIONS)}")
-    return _close(answer, q.truth(), q.rel_tol)
+    return _close(answer, q.compute(), q.rel_tol)
 
 
 def check(question_id: str, answer) -> None:

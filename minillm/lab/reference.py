@@ -48,12 +48,15 @@ def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[lis
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def assert_samples_and_beams_survive_pressure(functions: str, kv_cache_dtype: str = "auto") -> None:
-    """n = 3 and n = 2 seeded sampling, beam search and a greedy request, in a pool tight enough to
-    fork, copy on write, hit the prefix cache and preempt, must give exactly what a roomy pool
-    gives (no pressure): the same engine, in float64 so that the batch's shape cannot flip a
-    token. ``functions``: what to look at when they differ (named in the message);
-    ``kv_cache_dtype``: how both pools store K/V (rung 9: scales must move with their blocks)."""
+KINDS = ["n = 3 sampling", "beam search (2 beams)", "greedy", "n = 2 sampling"]
+
+
+def pressure_runs(kv_cache_dtype: str = "auto", tight: bool = True) -> tuple:
+    """n = 3 and n = 2 seeded sampling, beam search and a greedy request, run in a roomy pool and
+    (``tight``) in a pool tight enough to fork, copy on write, hit the prefix cache and preempt;
+    float64, so that the batch's shape cannot flip a token. Returns plain data (a grader gets it
+    from the student's process): (roomy samples, tight samples, preemptions, leaks), the samples
+    one list of token lists per request, leaks the runs whose pool did not end full."""
     from .. import LLM, SamplingParams, load_model
 
     model = load_model("tiny-llama", dtype=torch.float64)
@@ -63,24 +66,68 @@ def assert_samples_and_beams_survive_pressure(functions: str, kv_cache_dtype: st
               SamplingParams(max_tokens=8, beam_width=2, ignore_eos=True),
               SamplingParams(max_tokens=10, ignore_eos=True),
               SamplingParams(max_tokens=9, n=2, temperature=0.7, seed=3, ignore_eos=True)]
+    leaks: list[str] = []
 
-    def run(**pool):
+    def run(name, **pool):
         llm = LLM(model, engine="paged", block_size=4, attention_backend="torch",
                   kv_cache_dtype=kv_cache_dtype, **pool)
-        reqs = llm.make_requests(prompts, params)
-        outs = llm.run(reqs).outputs
-        assert all(o.error is None for o in outs), [o.error for o in outs]
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks, \
-            "blocks leaked: the pool is not full again after every request finished"
-        return [o.samples for o in outs], reqs, llm.engine.num_preemptions
+        outs = llm.run(llm.make_requests(prompts, params)).outputs
+        errors = [o.error for o in outs if o.error is not None]
+        if errors:
+            raise RuntimeError(f"{name} pool: {errors}")
+        if llm.engine.block_manager.num_free_blocks != llm.engine.block_manager.num_blocks:
+            leaks.append(name)
+        return [[[int(t) for t in s] for s in o.samples] for o in outs], llm.engine.num_preemptions
 
-    roomy, _, _ = run(num_blocks=400)
-    tight, reqs, preemptions = run(num_blocks=18, max_num_seqs=4, max_num_batched_tokens=8,
-                                   enable_prefix_caching=True)
+    roomy, _ = run("roomy", num_blocks=400)
+    if not tight:
+        return roomy, None, 0, leaks
+    squeezed, preemptions = run("tight", num_blocks=18, max_num_seqs=4, max_num_batched_tokens=8,
+                                enable_prefix_caching=True)
+    return roomy, squeezed, int(preemptions), leaks
+
+
+_ROOMY: dict[str, list] = {}
+
+
+def judge_pressure(result: tuple, functions: str, kv_cache_dtype: str = "auto") -> None:
+    """Judge ``pressure_runs``' result (from the student's process): the tight pool must give
+    exactly what the roomy pool gives, and the roomy pool what the package's own code gives.
+    ``functions``: what to look at when they differ (named in the message)."""
+    roomy, tight, preemptions, leaks = result
+    assert not leaks, f"blocks leaked ({leaks}): the pool is not full again after every request"
     assert preemptions > 0, "the tight pool was meant to preempt"
-    kinds = ["n = 3 sampling", "beam search (2 beams)", "greedy", "n = 2 sampling"]
-    for kind, req, got, want in zip(kinds, reqs, tight, roomy):
+    for kind, got, want in zip(KINDS, tight, roomy, strict=True):
         assert got == want, (
-            f"{kind}: a tight pool (forks, copy-on-write, prefix hits, preemption; this request "
-            f"was preempted {req.num_preemptions} times) gave other tokens than a roomy pool: "
-            f"look at {functions}\ngot  {got}\nwant {want}")
+            f"{kind}: a tight pool (forks, copy-on-write, prefix hits, preemption) gave other "
+            f"tokens than a roomy pool: look at {functions}\ngot  {got}\nwant {want}")
+    if kv_cache_dtype not in _ROOMY:        # the package's own run, once per grading process
+        _ROOMY[kv_cache_dtype] = package_reference(pressure_runs, kv_cache_dtype, tight=False)
+    want = _ROOMY[kv_cache_dtype]
+    assert want is None or roomy == want[0], (
+        f"a roomy pool gave other tokens than the package's own code: look at {functions}")
+
+
+def package_reference(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` computed with the package's own code in the grading process, or
+    None where this copy of the package has no reference for it: in a handout the exercised
+    functions are stubs (``NotImplementedError``), so a student's own check there compares the
+    student's results with each other and with Hugging Face only; the teacher's grading, in the
+    full repository, also compares them with the package's."""
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        return None
+
+
+def baseline(student, probe, *args, **kwargs):
+    """``probe(*args, **kwargs)`` — a run that needs none of the exercised functions (plain
+    decoding, FCFS) — by the package's own code here; in a handout, where the engine's modules
+    are stubs, in the student's process instead, with the student's solutions of those
+    exercises standing in (a self-check there is then relative; the teacher's grading, in the
+    full repository, is not)."""
+    try:
+        return probe(*args, **kwargs)
+    except NotImplementedError:
+        return student.run(probe, *args, **kwargs)
+

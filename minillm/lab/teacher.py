@@ -36,11 +36,19 @@ class Grade:
     tests_passed: int
     tests_total: int
     reason: str
+    tests_run: int = 0
+    copy: bool = False          # a near-copy of the reference (flags.py): 0 points
+    review: tuple = ()          # (line, what, text) a teacher should read (flags.py)
 
     @property
     def points(self) -> float:
-        """1 for a passed exercise, else the share of the grader's tests that passed."""
-        return 1.0 if self.passed else self.tests_passed / max(1, self.tests_total)
+        """1 for a passed exercise; 0 for a copy, or where not every test of the grader ran (the
+        grader could not judge it all); else the share of the grader's tests that passed."""
+        if self.passed:
+            return 1.0
+        if self.copy or self.tests_run < self.tests_total:
+            return 0.0
+        return self.tests_passed / max(1, self.tests_total)
 
 
 def grade_one(student: str, ex: Exercise, folder: Path, limit_s: int) -> Grade:
@@ -51,7 +59,9 @@ def grade_one(student: str, ex: Exercise, folder: Path, limit_s: int) -> Grade:
     reason = done.stdout.rsplit("verdict:", 1)[-1].strip()
     collected, outcomes = done.results if isinstance(done.results, tuple) else ([], {})
     ok = sum(1 for n in collected if outcomes.get(n, ("",))[0] == "passed")
-    return Grade(student, ex.id, done.returncode == 0, ok, len(collected), reason)
+    ran = sum(1 for n in collected if n in outcomes)
+    return Grade(student, ex.id, done.returncode == 0, ok, len(collected), reason, ran,
+                 done.review["copy"] is not None, tuple(done.review["lines"]))
 
 
 def grade_class(class_dir: Path, exercises: list[str], out: Path, limit_s: int = 1200,
@@ -75,11 +85,16 @@ def grade_class(class_dir: Path, exercises: list[str], out: Path, limit_s: int =
 def write_csv(grades: list[Grade], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["student", "exercise", "passed", "tests_passed", "tests_total", "points",
-                    "reason"])
+        w.writerow(["student", "exercise", "passed", "tests_passed", "tests_run", "tests_total",
+                    "points", "copy", "review", "reason"])
         for g in grades:
-            w.writerow([g.student, g.exercise, int(g.passed), g.tests_passed, g.tests_total,
-                        f"{g.points:.2f}", g.reason])
+            w.writerow([g.student, g.exercise, int(g.passed), g.tests_passed, g.tests_run,
+                        g.tests_total, f"{g.points:.2f}", int(g.copy), review_text(g), g.reason])
+
+
+def review_text(g: Grade) -> str:
+    """The lines to read, ``line N [what]`` joined (empty when there is nothing to read)."""
+    return "; ".join(f"line {n} [{what}]" for n, what, _ in g.review)
 
 
 def write_junit(grades: list[Grade], path: Path) -> None:
@@ -97,23 +112,35 @@ def write_junit(grades: list[Grade], path: Path) -> None:
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 
 
+def cell(g: Grade) -> str:
+    """``✓ 1.00 14/14``: the verdict, the points, tests run / tests the grader has (``copy``
+    instead of the counts for a near-copy of the reference)."""
+    mark = "✓" if g.passed else "✗"
+    return f"{mark} {g.points:.2f} " + ("copy" if g.copy else f"{g.tests_run}/{g.tests_total}")
+
+
 def table(grades: list[Grade]) -> str:
-    """One row per student, a column per exercise (points), and the summary."""
+    """One row per student, a column per exercise (points, tests run / the grader's tests), the
+    total, a review column (lines a teacher should read), and the summary; the reasons below."""
     exercises = list(dict.fromkeys(g.exercise for g in grades))
-    rows = [f"{'student':20s}" + "".join(f"{e:>14s}" for e in exercises) + f"{'total':>8s}"]
+    rows = [f"{'student':16s}" + "".join(f"{e:>18s}" for e in exercises) + f"{'total':>8s}  review"]
     for student in dict.fromkeys(g.student for g in grades):
         mine = {g.exercise: g for g in grades if g.student == student}
-        cells = [("✓ " if mine[e].passed else "✗ ") + f"{mine[e].points:.2f}" for e in exercises]
-        rows.append(f"{student:20s}" + "".join(f"{c:>14s}" for c in cells)
-                    + f"{sum(g.points for g in mine.values()):>8.2f}")
+        flagged = [f"{e}: {review_text(mine[e])}" for e in exercises if mine[e].review]
+        rows.append(f"{student:16s}" + "".join(f"{cell(mine[e]):>18s}" for e in exercises)
+                    + f"{sum(g.points for g in mine.values()):>8.2f}  " + " | ".join(flagged))
     passed = {e: sum(g.passed for g in grades if g.exercise == e) for e in exercises}
     n = len(rows) - 1
     rows.append("passed: " + ", ".join(f"{e} {k}/{n}" for e, k in passed.items()))
+    rows += [f"  {g.student} {g.exercise}: {' '.join(g.reason.split())[:160]}"   # one line each
+             for g in grades if not g.passed]
     return "\n".join(rows)
 
 
-def handout(out: Path, exercises: list[str]) -> Path:
-    """Write the students' repository into ``out`` (which must not exist yet)."""
+def handout(out: Path, exercises: list[str], with_graders: bool = False) -> Path:
+    """Write the students' repository into ``out`` (which must not exist yet); ``with_graders``:
+    also the graders, in ``lab-graders/`` (outside the package, so the copy is still a handout:
+    no key), for students to run ``lab check`` themselves — they then see the tests."""
     out = Path(out)
     if out.exists():
         raise SystemExit(f"{out} already exists: give a new folder")
@@ -138,4 +165,8 @@ def handout(out: Path, exercises: list[str]) -> Path:
             dst.write_text(text, encoding="utf-8")
         elif src.is_file():
             shutil.copy2(src, dst)
+    if with_graders:
+        from .grade import SHIPPED_GRADERS
+        shutil.copytree(PACKAGE_ROOT / "minillm/lab/graders", out / SHIPPED_GRADERS,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return out

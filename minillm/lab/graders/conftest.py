@@ -20,3 +20,13 @@ from hypothesis import Phase, settings  # noqa: E402
 settings.register_profile("lab", database=None, derandomize=True,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
 settings.load_profile("lab")
+
+
+@pytest.fixture(scope="session")
+def student():
+    """The student's process (``minillm.lab.sandbox``): ``student.run(probe, *args)`` computes
+    ``probe`` there, on the student's file, and returns its value here, where the test judges it."""
+    from minillm.lab.sandbox import student_from_env
+    s = student_from_env()
+    yield s
+    s.close()

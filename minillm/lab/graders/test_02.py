@@ -3,6 +3,10 @@
 More requests than rows: newcomers join as soon as rows free up, finished requests leave at once.
 The engine must keep its list of rows and its KV rectangle in step after every step, never run
 more than ``max_num_seqs`` requests, end empty, and produce Hugging Face's tokens for each request.
+
+Every call of your functions happens in your process (``probe_run``, the ``student`` fixture):
+it sends back, after each step, the rows listed, the KV rectangle's rows and who still holds a row,
+and the tokens; the tests judge that here, with Hugging Face run here as the reference.
 """
 from __future__ import annotations
 
@@ -11,45 +15,61 @@ from minillm.engines.r2_dynamic import DynamicBatchEngine
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 from minillm.request import Request
 
+OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
 
-def run_checked(tiny, prompts, lengths, max_num_seqs, arrivals=None):
+
+def probe_run(prompts: list, lengths: list, max_num_seqs: int) -> dict:
+    """The student's engine on these requests: per step (step, rows listed, KV rows or None,
+    live requests, finished ones still holding a row); the tokens; what is left at the end."""
+    import torch
+
+    from minillm import load_model
+    tiny = load_model("tiny-llama", dtype=torch.float32)
     engine = DynamicBatchEngine(tiny, max_num_seqs=max_num_seqs)
     reqs = [Request(p, SamplingParams(max_tokens=n, ignore_eos=True), request_id=f"r{i}")
             for i, (p, n) in enumerate(zip(prompts, lengths))]
-    for r, t in zip(reqs, arrivals or [0.0] * len(reqs)):
-        r.arrival_offset_s = t
-    peak = 0
+    steps = []
 
     def after_step(snapshot, record):
-        nonlocal peak
         live = [r for r in engine.rows if r is not None]
-        assert engine.kv is None or engine.kv.rows == len(engine.rows), (
-            f"after step {record.step}: {len(engine.rows)} rows listed but the KV rectangle has "
-            f"{engine.kv.rows} — compaction must drop the same rows from both")
-        assert all(not r.finished for r in live), \
-            f"after step {record.step}: a finished request still holds a row"
-        peak = max(peak, len(live))
-        assert len(live) <= max_num_seqs, f"{len(live)} requests running, max_num_seqs is {max_num_seqs}"
+        steps.append((int(record.step), len(engine.rows),
+                      None if engine.kv is None else int(engine.kv.rows), len(live),
+                      sum(bool(r.finished) for r in live)))
 
     result = engine.run(reqs, on_step=after_step)
-    assert not engine.has_unfinished() and not [r for r in engine.rows if r is not None], \
-        "the engine must end with no request in its rows"
-    return result, peak
+    return {"steps": steps, "left": bool(engine.has_unfinished()) or any(
+        r is not None for r in engine.rows),
+        "outputs": [(o.request_id, o.error, [int(t) for t in o.token_ids]) for o in result.outputs]}
 
 
-def test_join_and_leave_equal_hf_generate(tiny):
+def run_checked(student, prompts, lengths, max_num_seqs) -> tuple[list, int]:
+    run = student.run(probe_run, prompts, lengths, max_num_seqs)
+    peak = 0
+    for step, rows, kv_rows, live, finished in run["steps"]:
+        assert kv_rows is None or kv_rows == rows, (
+            f"after step {step}: {rows} rows listed but the KV rectangle has {kv_rows} — "
+            "compaction must drop the same rows from both")
+        assert finished == 0, f"after step {step}: a finished request still holds a row"
+        assert live <= max_num_seqs, f"{live} requests running, max_num_seqs is {max_num_seqs}"
+        peak = max(peak, live)
+    assert not run["left"], "the engine must end with no request in its rows"
+    assert len(run["outputs"]) == len(prompts), f"{len(run['outputs'])} outputs, {len(prompts)} requests"
+    return run["outputs"], peak
+
+
+def test_join_and_leave_equal_hf_generate(student, tiny):
     prompts = random_prompts(7, seed=21, lo=2, hi=30)
     lengths = [3, 12, 5, 9, 2, 7, 4]
-    result, peak = run_checked(tiny, prompts, lengths, max_num_seqs=3)
+    outputs, peak = run_checked(student, prompts, lengths, max_num_seqs=3)
     assert peak == 3, "with 7 requests and 3 rows, newcomers must fill every free row"
-    for i, (p, n, o) in enumerate(zip(prompts, lengths, result.outputs)):
-        assert o.error is None, o.error
-        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, n), label=f"request r{i}")
+    for i, (p, n, (_, error, tokens)) in enumerate(zip(prompts, lengths, outputs)):
+        assert error is None, error
+        assert_greedy_match(tokens, hf_greedy(tiny, p, n), label=f"request r{i}")
 
 
-def test_a_request_that_ends_at_once_never_takes_a_row(tiny):
+def test_a_request_that_ends_at_once_never_takes_a_row(student, tiny):
     """max_tokens=1: done after its prefill token, it must finish without joining the batch."""
     prompts = random_prompts(4, seed=22, lo=2, hi=20)
-    result, _ = run_checked(tiny, prompts, [1, 6, 1, 4], max_num_seqs=2)
-    for p, n, o in zip(prompts, [1, 6, 1, 4], result.outputs):
-        assert_greedy_match(o.token_ids, hf_greedy(tiny, p, n), label=o.request_id)
+    outputs, _ = run_checked(student, prompts, [1, 6, 1, 4], max_num_seqs=2)
+    for p, n, (rid, _, tokens) in zip(prompts, [1, 6, 1, 4], outputs):
+        assert_greedy_match(tokens, hf_greedy(tiny, p, n), label=rid)
