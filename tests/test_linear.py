@@ -127,8 +127,10 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
     assert [r[0] for r in rows] == ["1"] * 2 * per_dtype + ["3"] * 2 * per_dtype
     assert [r[1] for r in rows[:2 * per_dtype]] == ["float32"] * per_dtype + \
         ["bfloat16"] * per_dtype                        # the model's dtype column
-    assert all(r[4] == "auto" for r in rows)            # the KV cache dtype column
-    assert all(float(r[8]) > 0 for r in rows)          # the ratio column
+    assert all(r[5] == "auto" for r in rows)            # the KV cache dtype column
+    assert all(float(r[9]) > 0 for r in rows)          # the ratio column
+    # the layer-ops column: fp32 keeps torch's ops; bf16 takes the fused ones where they build
+    assert all(r[3] == "eager" if r[1] == "float32" else r[3] in ("fused", "eager") for r in rows)
 
 
 def test_profile_busy_cores_are_stopped():

@@ -21,7 +21,6 @@ from minillm.core.policy import MAX_SCORE_WEIGHT, FCFS, Priority, Score, get_pol
 from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.core.sequence import Sequence, SequenceGroup
 from minillm.request import RequestError
-from minillm.lab.graders.test_08 import *  # noqa: F401,F403 - the behaviour tests (exercise 08)
 
 
 def test_config_fields_are_checked_and_reach_the_policy():
