@@ -157,9 +157,7 @@ def engine_failed_message(why: str) -> str:
 async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     llm: LLM = app.state.llm
     loop: EngineLoop = app.state.loop
-    if body.model != app.state.model_name:
-        raise APIError(f"model {body.model!r} does not exist: this server serves "
-                       f"{app.state.model_name!r}", param="model", code="model_not_found")
+    check_model(body.model, app.state.model_name)
     body.check_fields()
     stops = body.stop_strings()
     params = body.sampling_params(default_max_tokens=256 if chat else 16,
