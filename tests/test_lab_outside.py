@@ -51,9 +51,11 @@ def outcome(done, test: str) -> str:
 def load_teacher(ex_id: str) -> str:
     """Code that loads the teacher's own module with a path built at run time."""
     rel = EXERCISES[ex_id].source_path.relative_to(PACKAGE).as_posix()
-    parts = [str(PACKAGE)[:5], str(PACKAGE)[5:], *rel.split("/")]
+    # Split at the separators so that no literal path appears, whatever the checkout's path is
+    # (a split inside a directory name broke this on CI's /check/...).
+    parts = [*PACKAGE.as_posix().split("/"), *rel.split("/")]
     return ("import importlib.util as _u\n"
-            f"_path = '/'.join({parts!r}).replace('//', '/')\n"
+            f"_path = '/'.join({parts!r})\n"
             "_spec = _u.spec_from_file_location('_ref', _path)\n"
             "_ref = _u.module_from_spec(_spec)\n_spec.loader.exec_module(_ref)\n")
 
