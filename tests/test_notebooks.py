@@ -1,5 +1,10 @@
 """Every notebook runs headless, top to bottom, without an error (quick mode), and is stored
-without outputs."""
+without outputs.
+
+They run as a class runs them (issue 40): in a handout (``lab handout``) where every exercise is a
+stub and the student's ``labwork/`` holds a solution for each, so each notebook's first cell
+stands the student's files in, and the ranks rungs 7, 10 and 11 spawn load them too. In the
+teacher's repository ``labwork.use()`` changes nothing, so this covers that path as well."""
 from __future__ import annotations
 
 import os
@@ -49,10 +54,29 @@ def python_kernel() -> str:
     return "python3"
 
 
+@pytest.fixture(scope="module")
+def classroom(tmp_path_factory) -> Path:
+    """A handout with every exercise stubbed, solved in ``labwork/`` by a student whose code is
+    the reference with one no-op statement per function (so it is the student's file that runs)."""
+    from test_lab_outside import with_no_ops
+
+    from minillm.lab.exercises import EXERCISES
+    from minillm.lab.teacher import handout
+    out = handout(tmp_path_factory.mktemp("class") / "students", list(EXERCISES))
+    for ex_id, ex in EXERCISES.items():
+        (out / "labwork" / ex_id).mkdir(parents=True)
+        (out / "labwork" / ex_id / ex.file_name).write_text(with_no_ops(ex_id))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, monkeypatch):
-    run_notebook(path, monkeypatch)
+def test_notebook_runs_in_a_handout_on_the_student_s_solutions(path, classroom, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(classroom))     # the kernel imports the handout's copy
+    nb = run_notebook(classroom / "notebooks" / path.name, monkeypatch)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs)
+    assert "your solutions:" in text and "yours to write" not in text, text[:2000]
 
 
 def run_notebook(path, monkeypatch) -> nbformat.NotebookNode:
@@ -107,3 +131,30 @@ def test_export_leaves_every_figure_in_the_html(tmp_path):
         ROOT / "notebooks" / "00_naive_loop.ipynb", as_version=4).cells if c.cell_type == "code")
     assert views and images >= views, f"{images} images for {views} live views"
     assert "widget-view+json" not in html
+
+
+@pytest.mark.slow
+def test_lab_check_in_the_handout_judges_the_student_s_file(classroom, tmp_path):
+    """In the students' copy, with the teacher's graders: the solution in labwork/ passes and a
+    wrong one (one int8 scale per token across its KV heads) fails, with the grader's reason;
+    the reference a grader needs is never the handout's stub nor the student's own file."""
+    import subprocess
+    import sys
+
+    from minillm.lab.grade import PACKAGE_ROOT
+    env = {**os.environ, "PYTHONPATH": str(classroom)}
+    check = lambda *a: subprocess.run(
+        [sys.executable, "-m", "minillm.lab", "check", "09", "--graders",
+         str(PACKAGE_ROOT / "minillm/lab/graders"), *a], cwd=classroom, env=env,
+        capture_output=True, text=True, timeout=900)
+    right = check()
+    assert right.returncode == 0 and "verdict: passed" in right.stdout, right.stdout[-2000:]
+    mine = (classroom / "labwork" / "09" / "kv_quant.py").read_text()
+    old = "amax = xf.abs().amax(dim=-1)"
+    assert old in mine
+    wrong = tmp_path / "kv_quant.py"
+    wrong.write_text(mine.replace(
+        old, "amax = xf.abs().amax(dim=-1).amax(dim=-1, keepdim=True).expand(xf.shape[:-1])"))
+    done = check("--file", str(wrong))
+    assert done.returncode != 0 and "scale must be max|x| / 127 per row" in done.stdout, \
+        done.stdout[-2000:]

@@ -106,7 +106,8 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
                          "True`): its tests would run the student's code in the grading process, "
                          "where nothing it reports can be believed. Write it with "
                          "`student.run(probe, ...)` (see minillm/lab/sandbox.py)")
-    env = dict(os.environ)
+    # a notebook's labwork.use() must not stand the student's files in for the grader's reference
+    env = {k: v for k, v in os.environ.items() if k != "MINILLM_LABWORK_FILES"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")     # no stale .pyc of a student's file
     env["MINILLM_LAB_STUDENT"] = os.pathsep.join(f"{m}={f}" for m, f in files.items())

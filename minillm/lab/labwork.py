@@ -8,16 +8,24 @@ that file is imported in the module's place; exercises not assigned keep the pac
 (the reference), and in the teacher's full repository nothing changes. It must run before the
 engine's modules are imported (a module already imported keeps its code): the notebooks call it
 first.
+
+A notebook's engine may spawn processes (the ranks of rungs 7, 10 and 11): they import the package
+afresh, so ``use()`` leaves the files it stood in, in ``$MINILLM_LABWORK_FILES``, and the package's
+``__init__`` stands them in again in such a process (``stand_in_from_env``), for the modules that
+are stubs there too. Grading never inherits it (``grade.py`` removes it).
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
 
 from .exercises import EXERCISES, Exercise
+
+FILES_ENV = "MINILLM_LABWORK_FILES"     # module -> file, as JSON, for the processes a notebook spawns
 
 
 class _StandIn(importlib.abc.MetaPathFinder):
@@ -76,8 +84,27 @@ def use(workdir: Path | None = None, verbose: bool = True) -> dict[str, Path]:
     if late:
         raise RuntimeError(f"{', '.join(late)} already imported: call labwork.use() before "
                            "anything of minillm that runs the engine (restart the kernel)")
-    if files and not any(isinstance(f, _StandIn) and f.files == files for f in sys.meta_path):
-        sys.meta_path.insert(0, _StandIn(files))
-        if verbose:
-            print("your solutions:", ", ".join(str(f) for f in files.values()))
+    if files:
+        os.environ[FILES_ENV] = json.dumps({m: str(f) for m, f in files.items()})
+    if _stand_in(files) and verbose:
+        print("your solutions:", ", ".join(str(f) for f in files.values()))
     return files
+
+
+def _stand_in(files: dict[str, Path]) -> bool:
+    """Put ``files`` first on the import path (once); whether anything was added."""
+    if not files or any(isinstance(f, _StandIn) and f.files == files for f in sys.meta_path):
+        return False
+    sys.meta_path.insert(0, _StandIn(files))
+    return True
+
+
+def stand_in_from_env() -> None:
+    """In a process a notebook's engine spawned: the files its ``use()`` stood in, stood in here
+    too, for the modules that are stubs in this copy (never over the package's own code)."""
+    try:
+        named = json.loads(os.environ.get(FILES_ENV, "{}"))
+    except ValueError:
+        return
+    stubs = {ex.module for ex in EXERCISES.values() if is_stub(ex)}
+    _stand_in({m: Path(f) for m, f in named.items() if m in stubs and Path(f).is_file()})

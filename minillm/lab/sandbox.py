@@ -121,7 +121,8 @@ class Student:
         self._answers: queue.Queue = queue.Queue()
 
     def _start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("PYTHON") and k != "MINILLM_LABWORK_FILES"}
         env["PYTHONPATH"] = os.pathsep.join([str(self.root), *_site_dirs()])
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["MINILLM_LAB_FORBIDDEN"] = str(PACKAGE)
