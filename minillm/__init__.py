@@ -20,7 +20,7 @@ if os.environ.get("MINILLM_LABWORK_FILES"):
 # public name -> the module that defines it
 _EXPORTS = {"LLM": ".llm", "load_model": ".models", "SamplingParams": ".request",
             "Request": ".request", "RequestOutput": ".request", "RequestError": ".request",
-            "FinishReason": ".request"}
+            "FinishReason": ".request", "LoRARequest": ".engines.r13_lora.adapter"}
 
 __all__ = list(_EXPORTS)
 

@@ -44,6 +44,8 @@ class LLM:
         else:
             self.model = load_model(model, device, dtype)
         self.tokenizer = self.model.tokenizer
+        if engine_options.get("enable_lora") is False:     # off: the engine named, as is
+            del engine_options["enable_lora"]
         try:
             self.engine = create_engine(engine, self.model, **engine_options)
         except TypeError as e:  # an option this engine does not take
@@ -88,24 +90,42 @@ class LLM:
         raise RequestError(f"cannot understand a prompt of type {type(prompt).__name__}")
 
     def make_requests(self, prompts: Sequence[Prompt],
-                      params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Request]:
+                      params: SamplingParams | Sequence[SamplingParams] | None = None,
+                      lora_request=None) -> list[Request]:
         """One ``Request`` per prompt, with ids unique for the life of this ``LLM``. A prompt that
-        cannot be encoded becomes a request that the engine answers with its error."""
+        cannot be encoded becomes a request that the engine answers with its error.
+        ``lora_request``: see ``generate``."""
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         plist = [SamplingParams.coerce(p) for p in plist]
+        loras = self.lora_requests(lora_request, len(prompts))
         reqs = []
-        for prompt, p in zip(prompts, plist):
+        for prompt, p, lora in zip(prompts, plist, loras):
             try:
                 ids, err = self.encode(prompt), None
             except RequestError as e:
                 ids, err = [], str(e)
-            req = Request(ids, p, request_id=str(next(self._ids)))
+            req = Request(ids, p, request_id=str(next(self._ids)), lora_request=lora)
             req.error = err   # set: the engine rejects the request with this message
             reqs.append(req)
         return reqs
+
+    def lora_requests(self, lora_request, n: int) -> list:
+        """One adapter (or None) per prompt, each adapter read now: a bad one is a ValueError
+        naming it before anything runs (rung 13: ``LLM(..., enable_lora=True)``)."""
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) \
+            else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError(f"{n} prompts but {len(loras)} lora_request entries")
+        if any(lora is not None for lora in loras) and not self.engine.supports_lora:
+            raise ValueError(f"lora_request needs LLM(..., enable_lora=True) (engine "
+                             f"{self.engine.name!r} serves the base model only)")
+        for lora in loras:
+            if lora is not None:
+                self.engine.add_lora(lora)
+        return loras
 
     # --- running -------------------------------------------------------------------------------------
     def run(self, requests: list[Request], on_step: OnStep | None = None,
@@ -116,15 +136,17 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | dict | None = None,
                  on_step: OnStep | None = None, progress: bool = False,
-                 on_output: OnOutput | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; bad prompts get an output with finish_reason ``error``."""
+                 on_output: OnOutput | None = None, lora_request=None) -> list[RequestOutput]:
+        """Generate for every prompt; bad prompts get an output with finish_reason ``error``.
+        ``lora_request`` (rung 13, ``enable_lora=True``): a ``LoRARequest`` for every prompt, or
+        a list of one per prompt, None for the base model."""
         if isinstance(prompts, (str, dict)) or _is_one_chat(prompts) or _is_one_id_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got "
                              f"{type(prompts).__name__}")
-        result = self.run(self.make_requests(prompts, params), on_step=on_step, progress=progress,
-                          on_output=on_output)
+        result = self.run(self.make_requests(prompts, params, lora_request), on_step=on_step,
+                          progress=progress, on_output=on_output)
         return result.outputs
 
 

@@ -1,5 +1,6 @@
-"""What a user asks for (``SamplingParams``), what an engine tracks (``Request``) and what comes back
-(``RequestOutput``). Shared by every step, so every engine speaks the same language as vLLM.
+"""What a user asks for (``SamplingParams``, defined in ``sampling_params.py`` and re-exported here),
+what an engine tracks (``Request``) and what comes back (``RequestOutput``). Shared by every step, so
+every engine speaks the same language as vLLM.
 """
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from .checks import check_field, check_float
+from .sampling_params import SamplingParams   # defined there, re-exported here (the API)
+
+TokenLogprobs = dict[int, float]     # token id -> log-probability (the chosen token always in it)
 
 
 class FinishReason(str, Enum):
@@ -20,89 +24,6 @@ class FinishReason(str, Enum):
 
 class RequestError(ValueError):
     """A request that cannot be served: it gets an error output, the others go on."""
-
-
-# Below this a temperature is treated as 0 (greedy), as vLLM does: dividing logits by 1e-38
-# overflows to inf and the "sample" would be NaN garbage.
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. Temperature 0 means greedy (argmax), as in vLLM.
-
-    ``seed`` makes sampling reproducible per request: the random draw for output token ``i`` depends
-    only on (seed, i), never on which other requests happened to share the batch.
-
-    Every field is checked, by type and by value, when the object is made: a bad one raises a
-    ``ValueError`` naming the field and the value, so a mistake never surfaces mid-step inside the
-    engine. The object is frozen, so it stays valid: to change a field, make a new one
-    (``dataclasses.replace(params, seed=1)``, which checks again). Integer ranges (inclusive,
-    ``FIELD_RANGES``): ``max_tokens`` 1..2**31-1, ``top_k`` 0..2**31-1, ``seed`` -2**63..2**63-1,
-    ``n`` and ``beam_width`` 1..2**31-1, each of ``stop_token_ids`` 0..2**31-1.
-    """
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0           # 0 = no top-k limit (vLLM uses -1; we document 0)
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()   # any sequence of ids; kept as a tuple
-    ignore_eos: bool = False
-    n: int = 1               # parallel samples sharing one prompt (rung 3)
-    beam_width: int = 1      # beam search (rung 3); 1 = off
-
-    def __post_init__(self):
-        self._set("max_tokens", check_field("max_tokens", self.max_tokens))
-        self._set("temperature", check_float("temperature", self.temperature))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.temperature < MIN_TEMPERATURE:
-            self._set("temperature", 0.0)
-        self._set("top_p", check_float("top_p", self.top_p))
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self._set("top_k", check_field("top_k", self.top_k))
-        if self.seed is not None:
-            self._set("seed", check_field("seed", self.seed))
-        self._set("stop_token_ids", self._check_stop_ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        self._set("n", check_field("n", self.n))
-        self._set("beam_width", check_field("beam_width", self.beam_width))
-        if self.n > 1 and self.beam_width > 1:
-            raise ValueError(f"n={self.n} and beam_width={self.beam_width}: choose parallel "
-                             "sampling (n) or beam search (beam_width), not both")
-        if self.beam_width > 1 and self.temperature > 0:
-            raise ValueError(f"beam search is deterministic: beam_width={self.beam_width} needs "
-                             f"temperature=0, got temperature={self.temperature!r}")
-
-    def _set(self, name: str, value) -> None:
-        object.__setattr__(self, name, value)   # only while checking: the object is frozen
-
-    @staticmethod
-    def _check_stop_ids(ids) -> tuple[int, ...]:
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r} "
-                             f"({type(ids).__name__})")
-        return tuple(check_field("stop_token_ids[]", t) for t in ids)
-
-    @classmethod
-    def coerce(cls, params) -> "SamplingParams":
-        """Accept a ``SamplingParams`` or a dict of its fields (unknown keys are an error)."""
-        if isinstance(params, cls):
-            return params
-        if isinstance(params, dict):
-            unknown = sorted(set(params) - {f.name for f in fields(cls)}, key=str)
-            if unknown:
-                raise ValueError(f"unknown SamplingParams field(s): {', '.join(map(repr, unknown))}")
-            return cls(**params)
-        raise ValueError(f"params must be a SamplingParams (or a dict of its fields), got "
-                         f"{type(params).__name__}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass
@@ -152,6 +73,7 @@ class SampleOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None   # one per token, when ``params.logprobs`` asks
 
 
 @dataclass
@@ -167,6 +89,9 @@ class Request:
     request_id: str = ""
     arrival_offset_s: float = 0.0        # when the workload says it arrives, after the run starts
     priority: int = 0                    # lower runs first ("priority", "score" policies)
+    # rung 12's objectives (policy "slo"; None: the config's default), checked on admission
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     outputs: list[SampleOutput] = field(default_factory=lambda: [SampleOutput(0)])
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -176,6 +101,10 @@ class Request:
     num_preemptions: int = 0
     added_step: int | None = None        # steps of its run done when the engine took it (traces)
     spec: SpecStats | None = None        # speculative decoding's counters (rung 6)
+    lora_request: object | None = None   # the LoRA adapter it runs with (rung 13); None: base
+    # ``params.prompt_logprobs``: one per prompt token (the first None), landed by
+    # ``commit_prompt_logprobs`` as prefill chunks compute them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self):
         if not self.request_id:
@@ -188,6 +117,10 @@ class Request:
         self.arrival_offset_s = check_float("arrival_offset_s", self.arrival_offset_s)
         if self.arrival_offset_s < 0:
             raise ValueError(f"arrival_offset_s must be >= 0, got {self.arrival_offset_s!r}")
+        if self.params.logprobs is not None and self.outputs[0].logprobs is None:
+            self.outputs[0].logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]    # the first token has nothing before it
 
     @property
     def prompt_len(self) -> int:
@@ -216,20 +149,24 @@ class Request:
         return self.finish_reason is not None
 
     def commit(self, sample: int | None, tokens: list[int] | tuple[int, ...], eos_ids: set[int],
-               max_model_len: int, now: float | None = None) -> tuple[int, FinishReason | None]:
+               max_model_len: int, now: float | None = None,
+               logprobs: list[TokenLogprobs] | None = None) -> tuple[int, FinishReason | None]:
         """THE place generated tokens land. Append ``tokens`` to sample ``sample``'s output, one
         by one, until one ends it (EOS, a stop token, max_tokens, the model's context); return
         (how many landed, why the sample stopped or None). The first token of the request stamps
         ``first_token_time``. ``sample=None`` (a beam step: its tokens land when the search
-        ends, through ``set_final``) only stamps the time."""
+        ends, through ``set_final``) only stamps the time. ``logprobs[i]`` (``params.logprobs``)
+        lands with ``tokens[i]``."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter() if now is None else now
         if sample is None:
             return 0, None
         while len(self.outputs) <= sample:                  # n > 1: samples fork after prefill
-            self.outputs.append(SampleOutput(len(self.outputs)))
+            self.outputs.append(SampleOutput(len(self.outputs), logprobs=self._new_logprobs()))
         out = self.outputs[sample]
         for i, token in enumerate(tokens):
+            if out.logprobs is not None and logprobs is not None:
+                out.logprobs.append(logprobs[i])      # before the token: readers index by it
             out.token_ids.append(token)
             reason = stop_reason(self.params, token, len(out.token_ids),
                                  self.prompt_len + len(out.token_ids), eos_ids, max_model_len)
@@ -238,11 +175,30 @@ class Request:
                 return i + 1, reason
         return len(tokens), None
 
-    def set_final(self, samples: list[tuple[list[int], FinishReason | None]]) -> None:
+    def commit_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Land ``entries``, the log-probabilities of prompt tokens ``first``, ``first + 1``...
+        as a prefill chunk computed them. Chunks arrive in order; positions already known (a
+        preempted request computes its prompt again) are skipped."""
+        have = self.prompt_logprobs
+        if have is None or first > len(have):
+            raise RuntimeError(f"{self.request_id}: prompt logprobs for position {first} "
+                               f"arrived before those of position {len(have or [])} (a bug)")
+        have += entries[len(have) - first:]
+
+    def _new_logprobs(self) -> list[TokenLogprobs] | None:
+        return [] if self.params.logprobs is not None else None
+
+    def sample_logprobs(self, sample: int) -> list[TokenLogprobs] | None:
+        """Sample ``sample``'s logprobs so far (``params.logprobs``), or None when not asked."""
+        if sample < len(self.outputs):
+            return self.outputs[sample].logprobs
+        return self._new_logprobs()
+
+    def set_final(self, samples: list[tuple]) -> None:
         """The request's final samples, best first (beam search's hypotheses; parallel samples
-        by index), each with why it ended."""
-        self.outputs = [SampleOutput(i, list(ids), reason)
-                        for i, (ids, reason) in enumerate(samples)]
+        by index): (token ids, why it ended[, its logprobs])."""
+        self.outputs = [SampleOutput(i, list(s[0]), s[1], s[2] if len(s) > 2 else None)
+                        for i, s in enumerate(samples)]
 
     def append_token(self, token_id: int, eos_ids: set[int], max_model_len: int) -> bool:
         """Rungs 0-2: commit one token of the only sample; return True if the request is now
@@ -286,6 +242,14 @@ class RequestOutput:
     samples: list[list[int]] = field(default_factory=list)
     spec: SpecStats | None = None      # speculative decoding's counters (rung 6)
     finish_reasons: list[FinishReason] = field(default_factory=list)   # one per sample
+    # ``params.logprobs``: per sample, one dict per token (``logprobs`` is the first sample's);
+    # ``params.prompt_logprobs``: one per prompt token, the first None (vLLM's shapes)
+    sample_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.sample_logprobs[0] if self.sample_logprobs else None
 
     @property
     def tpot_s(self) -> float | None:
@@ -305,4 +269,5 @@ class RequestOutput:
         return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                    req.finish_reason, req.error, ttft, lat, req.num_preemptions,
                    [list(s) for s in req.samples], req.spec,
-                   [o.finish_reason or req.finish_reason for o in req.outputs])
+                   [o.finish_reason or req.finish_reason for o in req.outputs],
+                   [o.logprobs for o in req.outputs], req.prompt_logprobs)

@@ -20,7 +20,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 EXPECTED = ["00_naive_loop", "01_static_batching", "02_dynamic_batching", "03_block_manager",
             "04_triton_kernels", "05_fragmentation_visualizer", "06_speculative_decoding",
             "07_pipeline_parallel", "08_scheduling_policies", "09_quantized_kv",
-            "10_tensor_parallel", "11_disaggregation"]
+            "10_tensor_parallel", "11_disaggregation",
+            "12_realtime_scheduling", "13_multi_lora"]
 
 
 def test_every_step_has_its_notebook():

@@ -182,7 +182,7 @@ def test_dynamic_engine_serves_too(tiny, offline):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": "hi", "max_tokens": -1}, "max_tokens"),   # 0: echo only
     ({"model": "gpt-4", "prompt": "hi"}, "model"),
     ({"model": "tiny-llama", "prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"model": "tiny-llama"}, "prompt"),
@@ -191,7 +191,7 @@ def test_dynamic_engine_serves_too(tiny, offline):
     ({"model": "tiny-llama", "prompt": "", "max_tokens": 4}, "prompt"),
     ({"model": "tiny-llama", "prompt": [1, 99999]}, "prompt"),
     ({"model": "tiny-llama", "prompt": "hi", "max_tokens": 10 ** 6}, "max_tokens"),
-    ({"model": "tiny-llama", "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"model": "tiny-llama", "prompt": "hi", "logprobs": 21}, "logprobs"),     # vLLM's cap: 20
     ({"model": "tiny-llama", "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": "tiny-llama", "prompt": [True, 5]}, "prompt"),          # no lax coercions
     ({"model": "tiny-llama", "prompt": "hi", "max_tokens": "3"}, "max_tokens"),

@@ -156,22 +156,17 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/completions", "logit_bias", {"5": 10}),
-    ("/v1/completions", "min_tokens", 5),
-    ("/v1/completions", "repetition_penalty", 1.2),
-    ("/v1/completions", "presence_penalty", 0.5),
     ("/v1/completions", "suffix", "the end"),
-    ("/v1/completions", "echo", True),
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "logprobs", 0),
+    ("/v1/completions", "include_stop_str_in_output", True),
+    ("/v1/completions", "top_logprobs", 2),                            # a chat field
     ("/v1/completions", "foo", 1),
     ("/v1/completions", "response_format", {"type": "json_object"}),   # a chat field
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "logit_bias", {"5": -100}),
-    ("/v1/chat/completions", "min_tokens", 3),
-    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "echo", True),                           # a completions field
+    ("/v1/chat/completions", "skip_special_tokens", False),
     ("/v1/chat/completions", "foo", None),
 ])
 def test_fields_that_would_change_the_answer_are_refused(server, path, field, value):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable, Hashable
 
 from ..memory import KVCounts, MemorySnapshot, paged_snapshot
 from ..request import Request
@@ -39,6 +40,11 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def no_seed(request: Request) -> None:
+    """A block's contents depend on its tokens alone (every rung but 13)."""
+    return None
+
+
 def blocks_for_request(prompt_len: int, num_output_tokens: int, width: int, block_size: int) -> int:
     """The most blocks one request can hold at once when it runs alone: the prompt's blocks, plus
     for each of ``width`` samples or beams its output's blocks and one copied-on-write block (the
@@ -56,9 +62,14 @@ class BlockManager:
     drives (the visualizer's contiguous allocators implement the same one). Its geometry is a
     ``minillm.core.config.CacheConfig``'s, checked there."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 hash_seed: Callable[[Request], Hashable] | None = None):
+        """``hash_seed(request)``: what a request's K/V depend on besides its tokens (rung 13: its
+        LoRA adapter), the start of its blocks' hash chain; requests with different seeds never
+        share a cached block. None: the tokens alone."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed or no_seed
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = least recently freed). An OrderedDict gives O(1)
         # removal from the middle, needed when a prefix-cache hit revives a free block.
@@ -204,9 +215,9 @@ class BlockManager:
         self.cached.clear()
 
     # --- prefix caching -------------------------------------------------------------------------
-    def _keys(self, token_ids: list[int], num_blocks: int):
-        """(hash, key) of each of the first ``num_blocks`` full blocks, chained."""
-        parent = None
+    def _keys(self, token_ids: list[int], num_blocks: int, seed: Hashable = None):
+        """(hash, key) of each of the first ``num_blocks`` full blocks, chained from ``seed``."""
+        parent = seed
         for i in range(num_blocks):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             parent = hash(key)
@@ -219,9 +230,10 @@ class BlockManager:
         produce logits for the next one. Returns the number of tokens that hit the cache.
         """
         assert not seq.block_table, "prefix lookup is only for a sequence's first allocation"
-        if not self.enable_prefix_caching:
-            return 0
-        for h, key in self._keys(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return 0      # prompt logprobs need every prompt position's logits: none cached
+        for h, key in self._keys(seq.token_ids, (seq.num_tokens - 1) // self.block_size,
+                                 self.hash_seed(seq.request)):
             bid = self.cached.get(h)
             if bid is None or self.blocks[bid].key != key:   # miss, or a hash collision
                 break
@@ -250,7 +262,7 @@ class BlockManager:
             return
         # num_computed_tokens may run ahead of the tokens by this step's guesses (rung 6)
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        for i, (h, key) in enumerate(self._keys(seq.token_ids, full)):
+        for i, (h, key) in enumerate(self._keys(seq.token_ids, full, self.hash_seed(seq.request))):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:
                 block.hash, block.key = h, key

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..logprobs import TokenLogprobs
 from ..request import FinishReason, Request
 from .allocator import KVAllocator
 from .beam import BeamChoice, beam_step
@@ -44,6 +45,14 @@ class StepCommit:
             if seq.request.params.n > 1 and seq.num_computed_tokens == seq.num_tokens:
                 self.groups[seq.request.request_id].fork_samples(seq, self.bm)
 
+    def commit_prompt_logprobs(self, found: list[tuple[Sequence, int, list[TokenLogprobs]]]
+                               ) -> None:
+        """Land the prompt log-probabilities a forward computed (``ModelRunner.run``): for each
+        sequence, those of its prompt tokens ``first``, ``first + 1``... (``Request.commit_prompt_
+        logprobs`` keeps the order and skips what a preempted request already had)."""
+        for seq, first, entries in found:
+            seq.request.commit_prompt_logprobs(first, entries)
+
     def rows_to_sample(self, reached: list[Sequence]) -> list[tuple[int, Sequence]]:
         """(logits row, sequence) pairs to sample: each sequence that reached its newest token,
         plus the samples just forked from it (same row: they share its prompt)."""
@@ -64,13 +73,13 @@ class StepCommit:
         guesses plus the target's own token; the K/V of the rejected guesses is given back."""
         accepted = accepted or {}
         touched: dict[int, SequenceGroup] = {}
-        for seq, _ in tokens + beam_logprobs + list(accepted.items()):
+        for seq, *_ in tokens + beam_logprobs + list(accepted.items()):
             group = self.groups[seq.request.request_id]
             touched.setdefault(id(group), group)
         for seq, kept in accepted.items():
             self._accept(seq, kept)
-        for seq, token in tokens + [(s, kept[-1]) for s, kept in accepted.items()]:
-            self._land(seq, [token])
+        for seq, token, *logprobs in tokens + [(s, kept[-1]) for s, kept in accepted.items()]:
+            self._land(seq, [token], logprobs=logprobs or None)   # logprobs: [one dict] if asked
         for seq, logprobs in beam_logprobs:
             seq.pending_logprobs = logprobs
         finished = []
@@ -99,16 +108,18 @@ class StepCommit:
             for seq, token in continuations:
                 self._land(seq, [token], beam=True)
 
-    def _land(self, seq: Sequence, tokens: list[int], beam: bool = False) -> None:
+    def _land(self, seq: Sequence, tokens: list[int], beam: bool = False,
+              logprobs: list[TokenLogprobs] | None = None) -> None:
         """The one place a step's tokens join a sequence: committed to its request's sample
-        (``Request.commit``: stop checks, first-token time), then to the sequence. A sample that
-        stops leaves at once, its blocks freed this step. A beam's tokens are the search's
-        state; they reach the request when the search ends (``finish_group``)."""
+        (``Request.commit``: stop checks, first-token time, each token's ``logprobs``), then to
+        the sequence. A sample that stops leaves at once, its blocks freed this step. A beam's
+        tokens are the search's state; they reach the request when the search ends
+        (``finish_group``)."""
         if beam:
             seq.token_ids += tokens
             return
         landed, reason = seq.request.commit(seq.sample_id, tokens, self.eos_ids,
-                                            self.max_model_len)
+                                            self.max_model_len, logprobs=logprobs)
         seq.token_ids += tokens[:landed]
         if reason is not None:
             group = self.groups[seq.request.request_id]
@@ -129,7 +140,8 @@ class StepCommit:
         done = group.done_seqs + group.seqs
         self.finish(group)
         done.sort(key=(lambda s: -s.cum_logprob) if beams else (lambda s: s.sample_id))
-        req.set_final([(list(s.output_token_ids), s.finish_reason) for s in done])
+        req.set_final([(list(s.output_token_ids), s.finish_reason,
+                        req.sample_logprobs(s.sample_id)) for s in done])
         req.finish(reason or done[0].finish_reason)
         del self.groups[req.request_id]
         return req

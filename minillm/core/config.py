@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from ..checks import check_float, check_int
 from .kv_quant import KV_CACHE_DTYPES
-from .policy import MAX_SCORE_WEIGHT, POLICIES
+from .batch_controller import CONTROLLERS
+from .policy import MAX_SCORE_WEIGHT, MAX_SLO_MS, POLICIES, check_slo_ms
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
@@ -103,6 +104,21 @@ class SchedulerConfig:
     score_margin: float = option(
         10.0, "paged, policy=score: a waiting request evicts a running one only if its score is "
               "lower by more than this")
+    # rung 12 (notebook 12): deadlines, the adaptive batch, the overlapped step
+    slo_ttft_ms: float = option(
+        1000.0, "paged, policy=slo: the TTFT objective (ms) of a request that names none")
+    slo_tpot_ms: float = option(
+        100.0, "paged, policy=slo: the TPOT objective (ms) of a request that names none")
+    slo_margin_ms: float = option(
+        100.0, "paged, policy=slo: a request with no token yet evicts a running one only if its "
+               "deadline is earlier by more than this (ms)")
+    batch_controller: str = option(
+        "none", "paged: none (fixed limits) or tpot (the token budget per step follows the "
+                "measured step time to hold tpot_target_ms; core/batch_controller.py)")
+    tpot_target_ms: float = option(
+        100.0, "paged, batch_controller=tpot: the step time (= TPOT) to hold (ms)")
+    async_scheduling: bool = option(
+        False, "paged: overlap the next step's forward with this step's outputs (rung 12)")
 
     def __post_init__(self):
         set_checked(self, "max_num_batched_tokens")
@@ -119,6 +135,16 @@ class SchedulerConfig:
             if name != "score_margin" and value > MAX_SCORE_WEIGHT:
                 raise ValueError(f"{name} must be <= {MAX_SCORE_WEIGHT:g}, got {value!r}")
             object.__setattr__(self, name, value)
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "tpot_target_ms"):
+            object.__setattr__(self, name, check_slo_ms(name, getattr(self, name)))
+        margin = check_float("slo_margin_ms", self.slo_margin_ms)
+        if not 0 <= margin <= MAX_SLO_MS:
+            raise ValueError(f"slo_margin_ms must be in [0, {MAX_SLO_MS:g}], got {margin!r}")
+        object.__setattr__(self, "slo_margin_ms", margin)
+        if self.batch_controller not in CONTROLLERS:
+            raise ValueError(f"unknown batch_controller {self.batch_controller!r}: choose "
+                             f"{' or '.join(map(repr, CONTROLLERS))}")
+        check_bool("async_scheduling", self.async_scheduling)
 
 
 @dataclass(frozen=True)
@@ -198,9 +224,11 @@ def option_value(value, name: str):
 def config_attr(config: type) -> str:
     """The engine attribute a config is kept in: ``CacheConfig`` -> ``cache_config``. A config
     that refines another (rung 10's ``TensorParallelConfig`` of rung 7's ``ParallelConfig``) is
-    kept under the other's name: the code that reads it is the same, no alias needed."""
+    kept under the other's name: the code that reads it is the same, no alias needed. A word
+    ends before a capital that starts a lowercase run, so an acronym stays one word (rung 13's
+    ``LoRAConfig`` -> ``lora_config``)."""
     root = [c for c in config.__mro__ if dataclasses.is_dataclass(c)][-1]
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", root.__name__).lower()
+    return re.sub(r"(?<=[A-Za-z0-9])(?=[A-Z][a-z])", "_", root.__name__).lower()
 
 
 def build_configs(configs: tuple[type, ...], options: dict, owner: str) -> list:

@@ -13,6 +13,7 @@ target keeps). Rung 6 (speculative decoding) is those two methods.
 from __future__ import annotations
 
 import time
+from typing import Hashable
 
 import torch
 from torch.profiler import record_function
@@ -27,6 +28,7 @@ from .kv_quant import get_format
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .fused import layer_ops
 from .linear import get_linear_kernel
+from .batch_controller import make_controller
 from .policy import make_policy
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -40,10 +42,12 @@ class PagedEngine(Engine):
     name = "paged"
     supports_abort = True
     supports_parallel = True    # n > 1 and beams share blocks
+    refuses = frozenset()       # logprobs, prompt logprobs and every sampling control
+    supports_async_scheduling = False   # rung 12's engine overlaps its steps
     configs = (CacheConfig, SchedulerConfig, ModelConfig)
 
     def __init__(self, model, *, backend=None, runner=None, sampler=None, block_manager=None,
-                 select_beams=None, **options):
+                 select_beams=None, step_cost=None, **options):
         """``options``: the fields of ``configs``, flat (``block_size=16``, ``max_num_seqs=64``,
         ``attention_backend=None``...); they are kept as ``cache_config``, ``scheduler_config``
         and ``model_config``. The rest is plumbing: ``backend`` replaces the attention backend
@@ -52,14 +56,22 @@ class PagedEngine(Engine):
         allocator (the visualizer replays workloads with a runner that computes nothing, under
         each allocator of ``minillm.engines.r5_allocators``), ``select_beams`` beam search's
         choice (``core.beam.select_beams``; the replay's repeats a recorded search); by default
-        the real ones are built (the runner by ``make_runner``)."""
+        the real ones are built (the runner by ``make_runner``). ``step_cost(sched) -> ms``
+        bills each step by a cost model instead of the measured forward (notebook 12, the
+        controller's tests: the same run on every machine)."""
         super().__init__(model, **options)
         cache, limits = self.cache_config, self.scheduler_config
+        if limits.async_scheduling and not self.supports_async_scheduling:
+            raise ValueError(f"async_scheduling=True: engine {self.name!r} does not overlap its "
+                             "steps (rung 12's does: engine 'paged' without speculative, "
+                             "pipeline, tensor parallel or disaggregated serving)")
+        self.step_cost = step_cost
         self.kv_format = get_format(cache.kv_cache_dtype)    # how wide a slot is (rung 9)
         if block_manager is None:
             num_blocks = cache.num_blocks_for(self.kv_bytes_per_token, self.max_model_len,
                                               limits.max_num_seqs)
-            block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+            block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                         self.prefix_seed)
         elif runner is None:
             raise ValueError("block_manager= replaces the KV layout the model runner reads: "
                              "pass a runner for it too")
@@ -68,13 +80,13 @@ class PagedEngine(Engine):
         self.scheduler = Scheduler(self.block_manager, limits.max_num_batched_tokens,
                                    limits.max_num_seqs, make_policy(limits), self.eos_ids,
                                    self.max_model_len, select_beams or core_select_beams,
-                                   self.observers.emit)
+                                   self.observers.emit, make_controller(limits))
         if runner is None:   # every option is checked by now: the KV pool is allocated last
             backend = backend or get_attention_backend(self.model_config.attention_backend,
                                                        model.device)
             runner = self.make_runner(block_manager.num_blocks, cache.block_size, backend)
         self.backend = backend   # (None when a runner was given without one)
-        self.runner, self.sampler = runner, sampler or Sampler()
+        self.runner, self.sampler = runner, sampler or Sampler(self.eos_ids)
         self.aborted: list[Request] = []
         self._idle_run = (-2, 0)       # (step of the latest step that scheduled nothing, in a row)
 
@@ -171,7 +183,7 @@ class PagedEngine(Engine):
             return self._idle(out)
         t = time.perf_counter()
         result = self.execute(sched)
-        self._account(out, sched, (time.perf_counter() - t) * 1000.0)
+        self.bill(out, sched, (time.perf_counter() - t) * 1000.0)
         self.scheduler.commit_computed(sched)
         self.finish_step(result, out)
         return out
@@ -187,8 +199,11 @@ class PagedEngine(Engine):
         return self.runner.run(sched.scheduled)
 
     def finish_step(self, result, out: StepOutput) -> None:
-        """What becomes of ``execute``'s result once its K/V are committed: tokens."""
-        reached, logits = result
+        """What becomes of ``execute``'s result once its K/V are committed: prompt logprobs (for
+        the requests that asked) and tokens."""
+        reached, logits, *prompt = result      # a runner that computes nothing returns two
+        if prompt and prompt[0]:
+            self.scheduler.commit_prompt_logprobs(prompt[0])
         self.complete(reached, logits, out)
 
     def _take_aborted(self) -> StepOutput:
@@ -244,10 +259,23 @@ class PagedEngine(Engine):
         """Before scheduling: give running sequences guesses (``Sequence.spec_token_ids``) for the
         scheduler to plan as extra tokens. Rung 3 guesses nothing."""
 
+    def prefix_seed(self, request: Request) -> Hashable:
+        """What a request's K/V depend on besides its tokens: its prefix-cache blocks are hashed
+        from it, so requests with different seeds never share one. Rung 3: nothing (None); rung
+        13: the request's LoRA adapter."""
+        return None
+
     def verify(self, lookahead: dict[Sequence, torch.Tensor]) -> dict[Sequence, list[int]]:
         """The tokens each sequence keeps of its guesses (plus the target's own next token), from
         its 1 + k rows of logits. Only called when ``propose`` guessed (rung 6)."""
         raise NotImplementedError(f"engine {self.name!r} proposes no guesses to verify")
+
+    def bill(self, out: StepOutput, sched: SchedulerOutput, measured_ms: float) -> None:
+        """The step's time (measured, or ``step_cost``'s) into ``out`` and the scheduler's
+        clock and batch controller (rung 12)."""
+        ms = measured_ms if self.step_cost is None else float(self.step_cost(sched))
+        self._account(out, sched, ms)
+        self.scheduler.observe_step(sched.num_tokens, ms)
 
     @staticmethod
     def _account(out: StepOutput, sched: SchedulerOutput, ms: float) -> None:
@@ -263,7 +291,8 @@ class PagedEngine(Engine):
     # --- what views may ask (core/interface.py) -----------------------------------------------------
     def describe(self) -> dict:
         return {**super().describe(), "policy": self.scheduler.policy.name,
-                "kv_cache_dtype": self.kv_format.name, "layer_ops": self.runner.net.ops.name}
+                "kv_cache_dtype": self.kv_format.name, "layer_ops": self.runner.net.ops.name,
+                **self.scheduler.controller.describe()}
 
     def requests_in_flight(self) -> tuple[list[Request], list[Request]]:
         return ([g.request for g in self.scheduler.running],

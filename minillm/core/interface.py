@@ -51,6 +51,10 @@ class Engine:
     name = "base"
     supports_abort = False
     supports_parallel = False   # n > 1 samples and beam search
+    supports_lora = False       # requests with a LoRA adapter (rung 13)
+    # SamplingParams fields this engine cannot honour, refused by name (``validate``): rungs 0-2
+    # compute no log-probabilities; the paged core does them all (its rungs may refuse some)
+    refuses: ClassVar[frozenset[str]] = frozenset({"logprobs", "prompt_logprobs"})
     serves_one_at_a_time = False
     # The config classes (``minillm.core.config``) whose fields are this engine's options
     configs: ClassVar[tuple[type, ...]] = ()
@@ -201,9 +205,32 @@ class Engine:
         if bad:
             raise RequestError(f"{req.request_id}: prompt token id {bad[0]!r} outside the "
                                f"vocabulary [0, {vocab})")
+        self._check_params(req)
+        if req.lora_request is not None and not self.supports_lora:
+            raise RequestError(f"{req.request_id}: a LoRA adapter needs enable_lora=True (engine "
+                               f"{self.name!r} serves the base model only)")
         if (req.params.n > 1 or req.params.beam_width > 1) and not self.supports_parallel:
             raise RequestError(f"{req.request_id}: n > 1 and beam search need the 'paged' "
                                f"engine (this is {self.name!r})")
+
+    def _check_params(self, req: Request) -> None:
+        """The sampling fields this engine refuses (``refuses``), and ``logit_bias`` ids outside
+        the vocabulary (they would index past the logits)."""
+        p = req.params
+        refused = [f for f in p.fields_in_use() if f in self.refuses]
+        if refused:
+            raise RequestError(f"{req.request_id}: {refused[0]}={getattr(p, refused[0])!r} is "
+                               f"not supported by engine {self.name!r} (use 'paged')")
+        vocab = self.model.config.vocab_size
+        bad = [t for t, _ in p.logit_bias if t >= vocab]
+        if bad:
+            raise RequestError(f"{req.request_id}: logit_bias token id {bad[0]} is outside the "
+                               f"vocabulary [0, {vocab})")
+
+    def add_lora(self, lora_request) -> object:
+        """Read a LoRA adapter into host memory before requests use it (rung 13's engine; vLLM's
+        ``add_lora``); a bad adapter is a ValueError naming what is wrong."""
+        raise ValueError(f"engine {self.name!r} serves no LoRA adapters (enable_lora=True does)")
 
     def make_output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

@@ -16,6 +16,8 @@ Phases, in the order they happen within one step:
 - ``"transferred"`` — rung 11: a request's prompt blocks arrived from the prefill worker and
   were written into this pool (``request_id``; ``data``: the ``r11_disagg.engine.Transfer``:
   tokens, blocks, bytes, seconds). The server's ``/metrics`` counts them.
+- ``"controlled"`` — rung 12's batch controller moved the step's token budget after measuring a
+  step (``data``: a ``core.batch_controller.BatchDecision``: old and new cap, the fit).
 - ``"stepped"`` — the step is over (``data``: its ``StepOutput``); every engine emits it.
 
 ``StepEvent.step`` is the step of the current run, counted from 1 like ``StepRecord.step``.
@@ -31,9 +33,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal
 if TYPE_CHECKING:
     from .interface import Engine
 
-Phase = Literal["preempted", "computed", "beam", "verified", "transferred", "stepped"]
+Phase = Literal["preempted", "computed", "beam", "verified", "transferred", "controlled",
+                "stepped"]
 PHASES: tuple[Phase, ...] = ("preempted", "computed", "beam", "verified", "transferred",
-                             "stepped")
+                             "controlled", "stepped")
 
 
 @dataclass(frozen=True)

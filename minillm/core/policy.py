@@ -15,7 +15,7 @@ The scheduler asks its policy two questions, and nothing else:
   full at ``max_num_seqs``, or the pool has no blocks for it) evict the running ``victim``? The
   victim is recompute-preempted (its KV freed, its tokens kept) and waits again.
 
-Three policies, all in vLLM's and SGLang's vocabulary:
+Four policies, in vLLM's and SGLang's vocabulary (``slo`` is rung 12's, notebook 12):
 
 - ``fcfs``: arrival order; nobody is evicted for a newcomer (vLLM's default).
 - ``priority``: lower ``Request.priority`` first, ties by arrival (vLLM's semantics). Unlike
@@ -32,6 +32,24 @@ Three policies, all in vLLM's and SGLang's vocabulary:
   furthest sample has generated (no learned length estimate). A running request's key falls as it
   generates, so the request it evicted can never evict it back (no ping-pong); ``score_margin``
   (in key units) keeps near-ties from evicting each other at all.
+
+- ``slo``: earliest deadline first. A request's deadline is that of its next token on the
+  scheduler's clock (``Scheduler.now_ms``: the sum of the step times it was told, so a run billed
+  by a cost model is the same on every machine): ``arrival_ms + ttft + tpot * generated``, with
+  the request's objectives (``Request.ttft_slo_ms``/``tpot_slo_ms``, the HTTP fields of the same
+  names) or the config's defaults for those it lacks. Fixed while it waits (tokens land only for
+  running requests); a running request's deadline moves on by ``tpot`` per token, so one on
+  schedule ranks behind a newcomer whose first token is due. A request that has produced no
+  token yet (its TTFT is at stake) evicts a running one whose deadline is later by more than
+  ``margin_ms``; a request that has tokens evicts nobody, so an eviction can be answered by at
+  most one eviction back (the victim had no token yet either), never a ping-pong.
+
+**Starvation bound under ``slo``.** Every deadline is at least its arrival plus ``ttft_min`` (the
+smallest TTFT objective that arrives, ``>= 0``). So a request arriving more than ``D =
+deadline_r - arrival_r + margin - ttft_min`` ms after r has a deadline later than r's by more than
+the margin: it never overtakes r, and r may evict it. As under ``score``, r then waits at most for
+the fixed set that arrived by ``arrival_r + D`` and ranks ahead of it (``overtake_horizon_ms``;
+``tests/test_slo_policy.py`` checks it on random streams).
 
 **Starvation bound under ``score``** (``w_w > 0``). Let request r arrive at step ``a``. Any request
 arriving at step ``a' > a + D``, with ``D = (w_p * (p_r - p_min) + w_r * remaining_r + margin) /
@@ -138,7 +156,58 @@ class Score:
         return max(0, math.floor(head / self.wait_weight))
 
 
-NAMED = {"fcfs": FCFS, "priority": Priority, "score": Score}
+# The largest SLO objective or margin in ms (a year): keeps every deadline finite and exact.
+MAX_SLO_MS = 3.2e10
+SLO_FIELDS = ("ttft_slo_ms", "tpot_slo_ms")
+
+
+def check_slo_ms(name: str, value) -> float:
+    """An objective in ms: a finite number in (0, MAX_SLO_MS] (a ValueError naming it)."""
+    value = check_float(name, value)
+    if not 0 < value <= MAX_SLO_MS:
+        raise ValueError(f"{name} must be in (0, {MAX_SLO_MS:g}] ms, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float = 1000.0          # objective of a request that names none (the class default)
+    tpot_ms: float = 100.0
+    margin_ms: float = 100.0         # a candidate's deadline must be earlier by more than this
+    name: str = "slo"
+
+    def __post_init__(self):
+        for name in ("ttft_ms", "tpot_ms"):
+            check_slo_ms(name, getattr(self, name))
+        if not 0 <= check_float("margin_ms", self.margin_ms) <= MAX_SLO_MS:
+            raise ValueError(f"slo: margin_ms must be in [0, {MAX_SLO_MS:g}], got "
+                             f"{self.margin_ms!r}")
+
+    def objectives(self, group: SequenceGroup) -> tuple[float, float]:
+        """(TTFT, TPOT) objectives in ms: the request's own, else this policy's defaults."""
+        ttft, tpot = group.request.ttft_slo_ms, group.request.tpot_slo_ms
+        return (self.ttft_ms if ttft is None else ttft, self.tpot_ms if tpot is None else tpot)
+
+    def deadline(self, group: SequenceGroup) -> float:
+        """When the request's next token is due, on the scheduler's clock (ms)."""
+        ttft, tpot = self.objectives(group)
+        generated = max((len(s.output_token_ids) for s in group.seqs), default=0)
+        return group.arrival_ms + ttft + tpot * generated
+
+    def key(self, group: SequenceGroup) -> tuple:
+        return (self.deadline(group), group.arrival_index)
+
+    def preempts(self, candidate: SequenceGroup, victim: SequenceGroup) -> bool:
+        started = any(s.output_token_ids for s in candidate.seqs)
+        return not started and self.deadline(victim) - self.deadline(candidate) > self.margin_ms
+
+    def overtake_horizon_ms(self, group: SequenceGroup, min_ttft_ms: float = 0.0) -> float:
+        """``D`` of the starvation bound: nobody arriving more than this many ms after ``group``
+        ranks ahead of it or may evict it."""
+        return max(0.0, self.deadline(group) - group.arrival_ms + self.margin_ms - min_ttft_ms)
+
+
+NAMED = {"fcfs": FCFS, "priority": Priority, "score": Score, "slo": SLO}
 POLICIES = tuple(NAMED)
 
 
@@ -158,11 +227,14 @@ def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
     if config.policy == "score":
         return Score(config.score_wait_weight, config.score_remaining_weight,
                      config.score_priority_weight, config.score_margin)
+    if config.policy == "slo":
+        return SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.slo_margin_ms)
     return FCFS()
 
 
 POLICY_FIELDS = ("priority_preemption_threshold", "score_wait_weight", "score_remaining_weight",
-                 "score_priority_weight", "score_margin")
+                 "score_priority_weight", "score_margin", "slo_ttft_ms", "slo_tpot_ms",
+                 "slo_margin_ms")
 
 
 def policy_options(config: SchedulerConfig) -> dict:

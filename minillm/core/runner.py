@@ -13,12 +13,16 @@ import sys
 import torch
 from torch.profiler import record_function
 
+from ..logprobs import TokenLogprobs, token_logprobs
 from ..models import LoadedModel
 from .attention.reference import AttentionMetadata
 from .kv_pool import KVPool
 from .kv_quant import FORMATS, KVCacheFormat
 from .model import PagedLlama
 from .sequence import Sequence
+
+# (sequence, its first prompt token computed this step, one logprobs dict per token from there)
+PromptLogprobs = tuple[Sequence, int, list[TokenLogprobs]]
 
 
 def step_order(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -31,6 +35,25 @@ def reaching_end(order: list[tuple[Sequence, int]]) -> list[int]:
     logits (a middle chunk of a long prompt does not)."""
     return [k for k, (s, n) in enumerate(order)
             if s.num_computed_tokens + n == s.num_tokens + len(s.spec_token_ids)]
+
+
+def prompt_rows(order: list[tuple[Sequence, int]], last: list[int]
+                ) -> list[tuple[Sequence, int, list[int]]]:
+    """(sequence, first prompt token, flat rows) of each chunk whose request asks
+    ``prompt_logprobs`` and covers prompt positions whose next token has no logprob yet (a
+    preempted request computing its prompt again asks none twice). Position p predicts token
+    p + 1; the prompt's last position predicts the first output token (the sampler's row)."""
+    out = []
+    for k, (seq, n) in enumerate(order):
+        known = seq.request.prompt_logprobs
+        if known is None:
+            continue
+        start = seq.num_computed_tokens
+        lo, hi = max(start, len(known) - 1), min(start + n, seq.prompt_len - 1)
+        if lo < hi:
+            row = last[k] - (n - 1)                    # the flat row of position ``start``
+            out.append((seq, lo + 1, list(range(row + lo - start, row + hi - start))))
+    return out
 
 
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
@@ -161,18 +184,40 @@ class ModelRunner:
                                        self.layers.start, self.layers.stop)
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """One forward; returns the sequences that reached their newest token and their logits:
-        one row each, or 1 + k consecutive rows for a sequence with k guesses (rung 6), the
-        target's distribution after its newest token and after each guess."""
+    def run(self, scheduled: list[tuple[Sequence, int]]
+            ) -> tuple[list[Sequence], torch.Tensor, list[PromptLogprobs]]:
+        """One forward; returns the sequences that reached their newest token, their logits (one
+        row each, or 1 + k consecutive rows for a sequence with k guesses (rung 6), the target's
+        distribution after its newest token and after each guess) and the prompt logprobs of
+        the chunks whose request asks ``prompt_logprobs`` (``prompt_logprobs``; usually none)."""
         ids, pos, meta, order, last = self.prepare(scheduled)
         with record_function("minillm::forward"):     # scopes for `make profile` (profile_step.py)
             hidden = self.net.final_hidden(self.forward(ids, pos, meta))
+        prompt = self.prompt_logprobs(order, last, hidden)
         want = reaching_end(order)
         if not want:   # only middle chunks of long prompts: no next token yet
-            return [], hidden.new_empty((0, self.net.vocab_size))
+            return [], hidden.new_empty((0, self.net.vocab_size)), prompt
         idx = torch.tensor([i for k in want for i in
                             range(last[k] - len(order[k][0].spec_token_ids), last[k] + 1)],
                            device=self.device)
         with record_function("minillm::logits"):
-            return [order[k][0] for k in want], self.net.logits(hidden[idx])
+            return [order[k][0] for k in want], self.net.logits(hidden[idx]), prompt
+
+    def prompt_logprobs(self, order: list[tuple[Sequence, int]], last: list[int],
+                        hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """(sequence, first prompt token, their logprobs) for each chunk whose request asks
+        ``prompt_logprobs``: the logits at position p give token p + 1's. Only these rows get
+        vocabulary-wide logits; every other row of the step keeps its hidden state only."""
+        found = prompt_rows(order, last)
+        if not found:
+            return []
+        rows = [r for _, _, rs in found for r in rs]
+        chosen = [s.token_ids[first + j] for s, first, rs in found for j in range(len(rs))]
+        ks = [s.request.params.prompt_logprobs for s, _, rs in found for _ in rs]
+        with record_function("minillm::prompt_logprobs"):
+            entries = token_logprobs(self.net.logits(hidden[rows]), chosen, ks)
+        out, at = [], 0
+        for seq, first, rs in found:
+            out.append((seq, first, entries[at:at + len(rs)]))
+            at += len(rs)
+        return out

@@ -1,30 +1,50 @@
 """``Sampler``: the step's logits -> what the scheduler commits (notebook 03).
 
 Plain sequences (n = 1 and each of n parallel samples) get a token, drawn with the request's own
-seeded randomness (``minillm.sampling``); beams get log-probabilities, which beam search compares
-across the request's beams (``beam.py``). The visualizer swaps this class for one that replays
-recorded tokens, and the model runner for one that computes nothing: same scheduler, same blocks.
+seeded randomness and controls (``minillm.sampling``); beams get log-probabilities, which beam
+search compares across the request's beams (``beam.py``). A row whose request asks ``logprobs``
+also gets its token's log-probability and the top k (``minillm.logprobs``: the raw model
+distribution, before the controls), carried as a third item of its ``(sequence, token)`` pair to
+the commit point. The visualizer swaps this class for one that replays recorded tokens, and the
+model runner for one that computes nothing: same scheduler, same blocks.
 """
 from __future__ import annotations
 
 import torch
 
+from ..logprobs import TokenLogprobs, token_logprobs
 from ..sampling import sample_tokens
 from .sequence import Sequence
 
-Tokens = list[tuple[Sequence, int]]
+# (sequence, token) or (sequence, token, its logprobs) when the request asks for them
+Tokens = list[tuple[Sequence, int] | tuple[Sequence, int, TokenLogprobs]]
 BeamLogprobs = list[tuple[Sequence, torch.Tensor]]
 
 
 class Sampler:
+    def __init__(self, eos_ids: set[int] | frozenset[int] = frozenset()):
+        """``eos_ids``: the tokens ``min_tokens`` holds back (beside each request's stop ids)."""
+        self.eos_ids = frozenset(eos_ids)
+
     def __call__(self, logits: torch.Tensor, rows: list[tuple[int, Sequence]]) -> tuple[Tokens, BeamLogprobs]:
         plain = [(i, s) for i, s in rows if s.request.params.beam_width == 1]
         idx = [i for i, _ in plain]
         # the usual step samples every row once, in order: no [rows, vocab] copy for that
         mine = logits if idx == list(range(logits.shape[0])) else logits[idx]
-        tokens = sample_tokens(mine, [s.request.params for _, s in plain],
-                               [len(s.output_token_ids) for _, s in plain],
-                               [s.sample_id for _, s in plain]) if plain else []
+        params = [s.request.params for _, s in plain]
+        # what penalties and min_tokens read, built only when a row uses one
+        histories = [(s.token_ids[:s.prompt_len], s.output_token_ids) for _, s in plain] \
+            if any(p.needs_processing for p in params) else None
+        tokens = sample_tokens(mine, params, [s.num_tokens - s.prompt_len for _, s in plain],
+                               [s.sample_id for _, s in plain], histories,
+                               self.eos_ids) if plain else []
+        out: Tokens = list(zip([s for _, s in plain], tokens))
+        asking = [r for r, (_, s) in enumerate(plain) if s.request.params.logprobs is not None]
+        if asking:
+            found = token_logprobs(mine[asking], [tokens[r] for r in asking],
+                                   [plain[r][1].request.params.logprobs for r in asking])
+            for r, entry in zip(asking, found):
+                out[r] = (*out[r], entry)
         beams = [(s, torch.log_softmax(logits[i].float(), dim=-1))
                  for i, s in rows if s.request.params.beam_width > 1]
-        return list(zip([s for _, s in plain], tokens)), beams
+        return out, beams

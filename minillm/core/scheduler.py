@@ -27,16 +27,19 @@ more blocks than the request was admitted with, and could never fit a tight pool
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from .allocator import KVAllocator
 from ..checks import check_field
 from ..request import FinishReason, Request, RequestError
+from .batch_controller import BatchController, NoController
 from .beam import select_beams
 from .commit import Emit, SelectBeams, StepCommit
-from .policy import SchedulingPolicy, get_policy
+from .policy import SLO_FIELDS, SchedulingPolicy, check_slo_ms, get_policy
 from .sequence import Sequence, SequenceGroup
+
+Admit = Callable[[SequenceGroup], bool]   # may this waiting group start now? (rung 13: a slot)
 
 
 @dataclass
@@ -61,11 +64,12 @@ class Scheduler(StepCommit):
                  max_num_seqs: int = 64, policy: SchedulingPolicy | str = "fcfs",
                  eos_ids: set[int] = frozenset(),
                  max_model_len: int = 1 << 62, select_beams: SelectBeams = select_beams,
-                 emit: Emit | None = None):
+                 emit: Emit | None = None, controller: BatchController | None = None):
         """``select_beams`` makes each beam-search choice (the visualizer's replay passes one that
         replays a recorded search); ``emit(phase, request_id, data)`` tells the engine's observers
         (``core/observe.py``) of each choice made. ``policy``: a ``core.policy`` policy
-        (``make_policy(config)``), or "fcfs"/"priority" with their defaults."""
+        (``make_policy(config)``), or "fcfs"/"priority" with their defaults. ``controller``
+        (rung 12) narrows the step's token budget and seats from measured step times."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -79,6 +83,8 @@ class Scheduler(StepCommit):
         self.num_preemptions = 0
         self.num_arrived = 0
         self.num_steps = 0                  # schedule() calls: the policy's clock
+        self.controller = controller or NoController()
+        self.now_ms = 0.0                   # the step times told (observe_step): "slo"'s clock
 
     def rank(self, g: SequenceGroup) -> tuple:
         """Sort key: who goes first, and (reversed) who is preempted first."""
@@ -97,9 +103,12 @@ class Scheduler(StepCommit):
         if req.request_id in self.groups:
             raise RequestError(f"{req.request_id}: a request with this id is already in flight")
         group = SequenceGroup(req, [Sequence(req, list(req.prompt_token_ids), req.prompt_len)],
-                              self.num_arrived, self.num_steps)
+                              self.num_arrived, self.num_steps, self.now_ms)
         try:
             req.priority = check_field("priority", req.priority)
+            for name in SLO_FIELDS:
+                if getattr(req, name) is not None:
+                    setattr(req, name, check_slo_ms(name, getattr(req, name)))
         except ValueError as e:
             raise RequestError(f"{req.request_id}: {e}") from None
         try:
@@ -116,13 +125,15 @@ class Scheduler(StepCommit):
         return bool(self.waiting or self.running)
 
     def schedule(self, exclude: Collection[SequenceGroup] = (),
-                 max_new: int | None = None) -> SchedulerOutput:
+                 max_new: int | None = None, admit: Admit | None = None) -> SchedulerOutput:
         """Plan one step. ``exclude``: running groups that must not be touched this call —
         neither scheduled nor preempted — though they keep their seats against ``max_num_seqs``
         (rung 7: the requests in flight in the pipeline). ``max_new``: admit at most this many
-        waiting groups (rung 7 shares new requests between micro-batches)."""
+        waiting groups (rung 7 shares new requests between micro-batches). ``admit(group)``:
+        whether a waiting group may start now besides memory (rung 13: its adapter got a slot);
+        one it refuses stays at the head of the queue, as one without blocks does."""
         out = SchedulerOutput([], [], [])
-        budget = self.max_num_batched_tokens
+        budget = self.step_budget()
         self.num_steps += 1
         self.running.sort(key=self.rank)
         for group in [g for g in self.running if g not in exclude]:
@@ -132,7 +143,7 @@ class Scheduler(StepCommit):
             if budget == 0:
                 break
         if not out.preempted:                   # memory is tight: let running requests finish
-            budget = self._schedule_waiting(budget, out, max_new, exclude)
+            budget = self._schedule_waiting(budget, out, max_new, exclude, admit)
         self._trim_lookahead(out)
         return out
 
@@ -162,12 +173,29 @@ class Scheduler(StepCommit):
             budget -= num_new
         return budget
 
+    def step_budget(self) -> int:
+        """The config's budget, or the controller's cap, never below the widest running request
+        (its samples or beams decode together: none starves)."""
+        cap = self.controller.cap
+        if cap is None:
+            return self.max_num_batched_tokens
+        widest = max((len(g.seqs) for g in self.running), default=1)
+        return min(self.max_num_batched_tokens, max(cap, widest, 1))
+
+    def observe_step(self, num_tokens: int, step_ms: float) -> None:
+        """A step took ``step_ms``: the clock moves on, the controller learns (and tells)."""
+        self.now_ms += step_ms
+        decision = self.controller.observe(num_tokens, step_ms)
+        if decision is not None:
+            self.emit("controlled", None, decision)
+
     def _lowest_ranked(self, exclude: Collection[SequenceGroup] = ()) -> SequenceGroup:
         """The running group to preempt first: the last in rank order that may be touched."""
         return next(g for g in reversed(self.running) if g not in exclude)
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput, max_new: int | None = None,
-                          exclude: Collection[SequenceGroup] = ()) -> int:
+                          exclude: Collection[SequenceGroup] = (),
+                          admit: Admit | None = None) -> int:
         """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last
         (and at most ``max_new`` of them, if given); return the budget left. A group that finds
         no seat, or none of whose tokens fit (``_plan``), may evict a running group the policy
@@ -178,12 +206,14 @@ class Scheduler(StepCommit):
             group = self.waiting[0]
             if group in out.preempted:          # not re-admitted in the step it was preempted
                 break
-            seated = len(self.running) < self.max_num_seqs
+            if admit is not None and not admit(group):
+                break
+            seated = len(self.running) < min(self.max_num_seqs, self.step_budget())
             planned = self._plan(group, budget, out) if seated else []
             if not planned:
                 if not self._preempt_for(group, out, exclude):
                     break
-                budget = self.max_num_batched_tokens - out.num_tokens
+                budget = self.step_budget() - out.num_tokens
                 continue
             self.waiting.pop(0)
             self.running.append(group)

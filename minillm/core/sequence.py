@@ -68,6 +68,7 @@ class SequenceGroup:
     seqs: list[Sequence]
     arrival_index: int
     arrival_step: int = 0       # the scheduler's step count when it arrived (core/policy.py)
+    arrival_ms: float = 0.0     # the scheduler's clock when it arrived (policy "slo", rung 12)
     done_seqs: list[Sequence] = field(default_factory=list)   # finished samples / beams
 
     def fork_samples(self, seq: Sequence, block_manager) -> list[Sequence]:

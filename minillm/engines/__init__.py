@@ -4,7 +4,8 @@
 config dataclasses the class declares in ``configs``, ``minillm/core/config.py``: no list of
 options is kept by hand anywhere), where a name leads with some options (``upgrades``: ``paged``
 with ``speculative=`` is rung 6, with ``pipeline_parallel_size`` rung 7, with
-``tensor_parallel_size`` rung 10; ``disagg``, rung 11, has a name of its own) and what it can do
+``tensor_parallel_size`` rung 10, with ``enable_lora`` rung 13; ``disagg``, rung 11, has a name
+of its own) and what it can do
 (abort, n > 1 and beam search: class attributes of the engine). The CLI, the benchmark, the
 server and ``LLM`` all go through it.
 """
@@ -72,7 +73,9 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("dynamic", 2, "minillm.engines.r2_dynamic", "DynamicBatchEngine", servable=True),
     EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine", servable=True, upgrades={
         "speculative": {"ngram": "paged+ngram", "draft": "paged+draft"},
-        "tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline"}),
+        "tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline",
+        "async_scheduling": {True: "paged-async", False: "paged"},
+        "enable_lora": {True: "paged+lora"}}),
     EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"}),
     EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"}),
     EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine",
@@ -81,6 +84,10 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("tensor", 10, "minillm.engines.r10_tensor.engine", "TensorParallelEngine",
                worker="minillm.engines.r10_tensor.engine:torchrun_worker"),
     EngineSpec("disagg", 11, "minillm.engines.r11_disagg.engine", "DisaggEngine", servable=True),
+    EngineSpec("paged-async", 12, "minillm.engines.r12_realtime.engine", "AsyncEngine",
+               {"async_scheduling": True}, servable=True),
+    EngineSpec("paged+lora", 13, "minillm.engines.r13_lora.engine", "LoRAEngine",
+               {"enable_lora": True}, servable=True),
 )}
 ENGINES = tuple(REGISTRY)
 

@@ -65,7 +65,7 @@ class NaiveEngine(ContiguousEngine):
         else:
             ids = req.output_token_ids[-1:]  # just the newest token; the rest is in the cache
         logits, ms = timed_ms(self._forward, ids)
-        token = sample_next_tokens(logits, [req])[0]
+        token = sample_next_tokens(logits, [req], self.eos_ids)[0]
         out = StepOutput(batch_size=1)
         if prefill:
             out.prefill_ms, out.num_prefill_tokens = ms, len(ids)

@@ -97,7 +97,7 @@ class StaticBatchEngine(ContiguousEngine):
 
     def _append(self, logits: torch.Tensor, out: StepOutput) -> None:
         live = [i for i, r in enumerate(self.batch) if not r.finished]
-        tokens = sample_next_tokens(logits[live], [self.batch[i] for i in live])
+        tokens = sample_next_tokens(logits[live], [self.batch[i] for i in live], self.eos_ids)
         for i, tok in zip(live, tokens):
             if self.batch[i].append_token(tok, self.eos_ids, self.max_model_len):
                 out.finished.append(self.batch[i])

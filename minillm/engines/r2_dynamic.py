@@ -122,7 +122,7 @@ class DynamicBatchEngine(ContiguousEngine):
         logits, ms = timed_ms(hf_forward, self.model.hf_model, ids, mask, cache)
         out.prefill_ms += ms
         out.num_prefill_tokens += int(mask.sum())
-        tokens = sample_next_tokens(logits, new)
+        tokens = sample_next_tokens(logits, new, self.eos_ids)
         joined = PaddedKV(cache, mask)
         keep = []
         for i, (req, tok) in enumerate(zip(new, tokens)):
@@ -169,7 +169,7 @@ class DynamicBatchEngine(ContiguousEngine):
         out.decode_ms += ms
         out.batch_size = len(reqs)
         out.num_decode_tokens += len(reqs)
-        for req, tok in zip(reqs, sample_next_tokens(logits, reqs)):
+        for req, tok in zip(reqs, sample_next_tokens(logits, reqs, self.eos_ids)):
             if req.append_token(tok, self.eos_ids, self.max_model_len):
                 out.finished.append(req)
 

@@ -26,13 +26,15 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..llm import LLM
-from ..request import FinishReason, Request, RequestError
+from ..request import Request, RequestError
 from .detok import IncrementalDetokenizer
+from .logprobs import AnswerLogprobs
 from .errors import add_error_handlers
 from .guard import BodyLimit, RequireKey, default_max_body_bytes
 from .loop import EngineFailed, EngineLoop, Event, QueueFull, ShuttingDown
 from .metrics import ServerMetrics
-from .tokenize import DetokenizeRequest, TokenizeRequest, check_model, detokenize, tokenize
+from .lora import load_adapters, model_cards, resolve_model
+from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
                        new_id, usage)
 
@@ -45,12 +47,14 @@ class ClientGone(Exception):
 
 def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
                dashboard: bool = True, api_key: str | None = None,
-               max_body_bytes: int | None = None, engine_threads: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, engine_threads: int | None = None,
+               lora_modules: dict | None = None) -> FastAPI:
     """The server for ``llm`` (its engine must support abort: 'paged' or 'dynamic'). The engine
     loop starts and stops with the app (its lifespan); ``app.state.loop`` is the ``EngineLoop``.
     ``api_key``: every route but /health needs it; ``max_body_bytes``: bigger bodies get a 413
     (default: ``guard.default_max_body_bytes`` of the model's context); ``engine_threads``:
-    torch threads of the engine loop (``EngineLoop``'s ``threads``)."""
+    torch threads of the engine loop (``EngineLoop``'s ``threads``); ``lora_modules``: adapters
+    by name, read now, that a request's ``model`` picks (``serve/lora.py``)."""
     name = model_name or llm.model.name
     loop = EngineLoop(llm.engine, ServerMetrics(name), max_waiting, threads=engine_threads)
     # One thread for tokenizing: Hugging Face's fast tokenizers must not be called from several
@@ -71,6 +75,7 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.loop, app.state.llm, app.state.model_name = loop, llm, name
     app.state.prep = prep
+    app.state.adapters = load_adapters(llm, lora_modules or {}, name)
     app.state.max_body_bytes = max_body_bytes or default_max_body_bytes(llm.model.max_model_len)
     app.add_middleware(BodyLimit, max_bytes=app.state.max_body_bytes)
     if api_key:   # added last: the outermost, so no key means no byte of the body is read
@@ -91,9 +96,7 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "minillm",
-                                            "max_model_len": llm.model.max_model_len}]}
+        return model_cards(name, app.state.adapters, llm.model.max_model_len)
 
     @app.get("/metrics")
     async def metrics():
@@ -123,12 +126,12 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
 
     @app.post("/tokenize")        # vLLM's paths and shapes (tokenize.py)
     async def tokenize_(body: TokenizeRequest):
-        check_model(body.model, app.state.model_name)
+        resolve_model(body.model, app.state.model_name, app.state.adapters)
         return await asyncio.get_running_loop().run_in_executor(app.state.prep, tokenize, llm, body)
 
     @app.post("/detokenize")
     async def detokenize_(body: DetokenizeRequest):
-        check_model(body.model, app.state.model_name)
+        resolve_model(body.model, app.state.model_name, app.state.adapters)
         return await asyncio.get_running_loop().run_in_executor(app.state.prep, detokenize, llm,
                                                                 body)
 
@@ -157,7 +160,7 @@ def engine_failed_message(why: str) -> str:
 async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     llm: LLM = app.state.llm
     loop: EngineLoop = app.state.loop
-    check_model(body.model, app.state.model_name)
+    lora = resolve_model(body.model, app.state.model_name, app.state.adapters)
     body.check_fields()
     stops = body.stop_strings()
     params = body.sampling_params(default_max_tokens=256 if chat else 16,
@@ -166,6 +169,8 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     req = await asyncio.get_running_loop().run_in_executor(
         app.state.prep, prepare, llm, loop, body.prompt_input(), params, field)
     req.request_id, req.priority = new_id("chatcmpl" if chat else "cmpl"), body.priority
+    req.ttft_slo_ms, req.tpot_slo_ms = body.ttft_slo_ms, body.tpot_slo_ms    # rung 12
+    req.lora_request = lora                                                  # rung 13
     try:
         events = loop.submit(req, validated=True)
     except ShuttingDown as e:
@@ -175,8 +180,10 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
                        type="server_error") from None
     except QueueFull as e:
         raise APIError(str(e), 429, code="queue_full", type="rate_limit_error") from None
-    answer = Answer(llm, req, stops, chat, app.state.model_name)
+    answer = Answer(llm, req, stops, chat, body.model)     # the base model or an adapter
     answer.return_token_ids = body.return_token_ids
+    answer.extras = AnswerLogprobs.asked(llm.tokenizer, req, chat, body.echo_prompt())
+    answer.hide_output = not chat and body.num_output_tokens(16) == 0   # the prompt only
     if body.stream:
         return StreamingResponse(answer.stream(events, loop, body.include_usage),
                                  media_type="text/event-stream")
@@ -207,7 +214,10 @@ def prepare(llm: LLM, loop: EngineLoop, prompt, params, field: str) -> Request:
         loop.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
     except RequestError as e:
         msg = str(e).removeprefix(f"{req.request_id}: ")
-        param = "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n") else field
+        named = msg.split("=")[0]            # a field this engine refuses: "logprobs=3 is ..."
+        param = ({"prompt_logprobs": "echo"}.get(named, named) if named in params.fields_in_use()
+                 else "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n")
+                 else field)
         raise APIError(msg, param=param) from None
     return req
 
@@ -242,6 +252,9 @@ class Answer:
         self.detoks = [IncrementalDetokenizer(llm.tokenizer, stops) for _ in range(req.params.n)]
         self.finish: list[str | None] = [None] * req.params.n
         self.done, self.error = False, None
+        self.extras: AnswerLogprobs | None = None   # echo and logprobs, when asked
+        self.hide_output = False        # max_tokens 0: the engine's one token is not shown
+        self.streaming = False
 
     def consume(self, event: Event) -> list[dict]:
         """Apply one event; return the choice deltas it produced (for a streamed chunk)."""
@@ -252,20 +265,20 @@ class Answer:
         for i, ids in sorted(event.tokens.items()):
             if self.finish[i] is None:
                 before = len(self.detoks[i].token_ids)
-                text = self.detoks[i].add(ids)
+                text = self.detoks[i].add([] if self.hide_output else ids)
                 if self.detoks[i].stopped:
                     self.finish[i] = "stop"
-                # with return_token_ids every token is sent as it comes, even while its text is
-                # held back (a possible stop string, half a character): the chunks' ids add up
-                # to the unstreamed answer's token_ids
-                new_ids = self.detoks[i].token_ids[before:] if self.return_token_ids else []
-                if text or self.finish[i] or new_ids:
-                    deltas.append(self._delta(i, text, new_ids))
+                # with return_token_ids (or logprobs) every token is sent as it comes, even while
+                # its text is held back (a possible stop string, half a character): the chunks'
+                # ids add up to the unstreamed answer's token_ids
+                added = self.detoks[i].token_ids[before:]
+                if text or self.finish[i] or (added and (self.return_token_ids or self.extras)):
+                    deltas.append(self._delta(i, text, added))
         if event.kind == "done":
             self.done = True
             for i, d in enumerate(self.detoks):
                 if self.finish[i] is None:
-                    self.finish[i] = self._reason(i)
+                    self.finish[i] = "length" if self.hide_output else self._reason(i)
                     deltas.append(self._delta(i, d.flush(), []))
         return deltas
 
@@ -273,6 +286,9 @@ class Answer:
         delta = {"index": i, "text": text, "finish_reason": self.finish[i]}
         if self.return_token_ids:
             delta["token_ids"] = token_ids
+        if self.extras is not None and self.streaming:   # a whole answer gets them at its end
+            echo, delta["logprobs"] = self.extras.take(i, token_ids)
+            delta["text"] = echo + text
         return delta
 
     def _reason(self, i: int) -> str:
@@ -295,12 +311,16 @@ class Answer:
             if self.return_token_ids:
                 for c, d in zip(choices, self.detoks):
                     c["token_ids"] = d.token_ids
+            for c, d in zip(choices, self.detoks) if self.extras else ():
+                echo, c["logprobs"] = self.extras.whole(c["index"], d.token_ids)
+                c["text"] = echo + c["text"]
         return completion_body(self.req.request_id, self.model, self.chat, choices,
                                self.usage() if final else None, chunk=not final)
 
     async def stream(self, events: asyncio.Queue, loop: EngineLoop, include_usage: bool):
         """Server-sent events: one chunk per step that produced text, then ``[DONE]``. Runs until
         the request ends; if the client disconnects, Starlette cancels it and ``finally`` aborts."""
+        self.streaming = True
         try:
             if self.chat:   # OpenAI's first chunk names the role
                 yield sse(self.body(False, [{"index": i, "text": "", "first": True}

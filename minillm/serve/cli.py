@@ -44,6 +44,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health "
                         f"(default: ${KEY_ENV} if set, else no key)")
     p.add_argument("--no-dashboard", action="store_true", help="do not serve /dashboard")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                   help="LoRA adapters (PEFT's format) a request's model field may name; needs "
+                        "--enable-lora (rung 13)")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
 
     from ..llm import LLM
     from .app import StoppingServer, create_app
+    from .lora import parse_lora_modules
 
     # The engine computes on the loop thread, not on this one. Each thread that runs torch work
     # on several cores gets its own OpenMP team, and once libgomp manages more threads than there
@@ -112,8 +116,13 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     # an engine with worker processes (disagg's prefill worker) leaves their cores to them
     threads = max(1, threads - llm.engine.threads_in_workers)
     key = args.api_key or os.environ.get(KEY_ENV) or None
-    app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard,
-                     api_key=key, max_body_bytes=args.max_body_bytes, engine_threads=threads)
+    try:
+        app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard,
+                         api_key=key, max_body_bytes=args.max_body_bytes, engine_threads=threads,
+                         lora_modules=parse_lora_modules(args.lora_modules))
+    except ValueError as e:          # a bad --lora-modules item or adapter
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     port = sock.getsockname()[1]
     base = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{port}"
     board = f" — dashboard: {base}/dashboard" + ("?key=..." if key else "")

@@ -5,12 +5,13 @@ names it: a client that asks for something minillm does not do (``logit_bias``, 
 ``response_format``...) learns it at once instead of getting an answer that silently ignored
 its request. The lists:
 
-* honoured: the fields declared on the request models below (OpenAI's, plus vLLM's extras
-  ``top_k``, ``ignore_eos``, ``return_token_ids``, ``stop_token_ids``);
+* honoured: the fields declared on the request models below (OpenAI's, among them ``logprobs``,
+  ``echo``, ``top_logprobs``, the penalties and ``logit_bias``, plus vLLM's extras ``top_k``,
+  ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids``,
+  ``stop_token_ids``);
 * ``IGNORED``: fields that only carry metadata and never change the answer (``user``...);
 * ``REFUSED``: fields that would change the answer, accepted only with the value that changes
-  nothing (``"logprobs": false``, ``"presence_penalty": 0``, ``"tools": []``...), which some
-  clients send on every request;
+  nothing (``"tools": []``, ``"suffix": ""``...), which some clients send on every request;
 * anything else (a typo, another server's extra): refused.
 """
 from __future__ import annotations
@@ -20,9 +21,12 @@ import uuid
 from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import confloat
 
 from ..checks import FIELD_RANGES
+from ..core.policy import MAX_SLO_MS
 from ..request import SamplingParams
+from ..sampling_params import MAX_LOGPROBS
 
 
 class APIError(Exception):
@@ -95,6 +99,17 @@ class _Common(BaseModel):
     # fcfs it only labels the request's class in /metrics
     priority: StrictInt = Field(default=0, ge=FIELD_RANGES["priority"][0],
                                 le=FIELD_RANGES["priority"][1])
+    # the sampler's controls (SamplingParams says what each does); null is "off"
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, float] | None = None      # OpenAI's keys: token ids as text
+    repetition_penalty: float | None = Field(default=None, gt=0.0)   # vLLM's extras
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: StrictInt | None = Field(default=None, ge=0, le=FIELD_RANGES["max_tokens"][1])
+    # rung 12: this request's objectives in ms (policy slo orders by their deadlines; None: the
+    # server's --slo-ttft-ms / --slo-tpot-ms); in (0, MAX_SLO_MS]
+    ttft_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
+    tpot_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
 
     def check_fields(self) -> None:
         """A 400 naming the first field that is neither honoured, nor metadata, nor neutral."""
@@ -119,9 +134,40 @@ class _Common(BaseModel):
             raise APIError("stop sequences must be non-empty strings", param="stop")
         return stops
 
+    def num_output_tokens(self, default: int) -> int:
+        """max_completion_tokens, else max_tokens, else ``default`` (0 only for completions)."""
+        return next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
+                    default)
+
+    def logprob_params(self) -> dict:
+        """The ``SamplingParams`` log-probability fields this body asks for."""
+        return {}
+
+    def echo_prompt(self):
+        """The prompt to echo before the output (completions' ``echo``), or None."""
+        return None
+
+    def bias(self, vocab_size: int) -> dict[int, float]:
+        """``logit_bias`` with integer keys, each a token id of the vocabulary."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") \
+                    from None
+            if not 0 <= token < vocab_size:
+                raise APIError(f"logit_bias: token id {token} is outside the vocabulary "
+                               f"[0, {vocab_size})", param="logit_bias")
+            out[token] = value
+        return out
+
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
-        """The engine's ``SamplingParams``; a value it refuses becomes a 400 naming the field."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        """The engine's ``SamplingParams``; a value it refuses becomes a 400 naming the field.
+        ``max_tokens`` 0 (completions: the prompt's logprobs only, as lm-evaluation-harness asks)
+        computes one token that the answer leaves out: it costs no extra forward pass, the
+        prompt's last position gives it."""
+        max_tokens = max(1, self.num_output_tokens(default_max_tokens))
         stop_ids = self.stop_token_ids or []
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:   # each is checked against every new token
             raise APIError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
@@ -131,9 +177,14 @@ class _Common(BaseModel):
             raise APIError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
                            f"[0, {vocab_size})", param="stop_token_ids")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                                  top_p=self.top_p, top_k=self.top_k, seed=self.seed, n=self.n,
-                                  ignore_eos=self.ignore_eos, stop_token_ids=stop_ids)
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, seed=self.seed, n=self.n, ignore_eos=self.ignore_eos,
+                stop_token_ids=stop_ids, presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
+                min_tokens=self.min_tokens or 0, logit_bias=self.bias(vocab_size),
+                **self.logprob_params())
         except ValueError as e:   # SamplingParams' messages start with the field's name
             raise APIError(str(e), param=str(e).split(" ")[0]) from None
 
@@ -143,13 +194,9 @@ class _Common(BaseModel):
 
 
 # Fields that would change the answer -> the values that change nothing (null is OpenAI's "not
-# set"). min_tokens, logit_bias and the penalties need the sampler (minillm/sampling.py), which
-# the engine shares with speculative decoding: they are refused rather than half-done here.
+# set").
 REFUSED_COMMON: dict[str, tuple] = {
-    "logprobs": (None, False), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     # vLLM's extras
-    "min_tokens": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),    # minillm always skips them in the text
 }
@@ -157,10 +204,21 @@ REFUSED_COMMON: dict[str, tuple] = {
 
 class CompletionRequest(_Common):
     IGNORED = frozenset({"user"})
-    REFUSED = {**REFUSED_COMMON, "echo": (None, False), "suffix": (None, ""),
+    REFUSED = {**REFUSED_COMMON, "suffix": (None, ""),
                "best_of": (None, 1)}       # best_of == n is also neutral (check_fields)
 
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    # 0: no output, only the prompt (with echo and logprobs: what lm-evaluation-harness scores)
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=FIELD_RANGES["max_tokens"][1])
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # top k per token
+    echo: StrictBool = False                  # the prompt (and its logprobs) before the output
+
+    def logprob_params(self) -> dict:
+        prompt = self.logprobs if self.echo else None   # echoed tokens get theirs too
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
+
+    def echo_prompt(self):
+        return self.prompt_input() if self.echo else None
 
     def prompt_input(self):
         """One prompt: text or token ids (a one-element batch is unwrapped)."""
@@ -179,7 +237,7 @@ class ChatCompletionRequest(_Common):
     # parallel_tool_calls only matters with tools, which are refused unless empty
     IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                          "prompt_cache_key", "safety_identifier"})
-    REFUSED = {**REFUSED_COMMON, "top_logprobs": (None, 0),
+    REFUSED = {**REFUSED_COMMON,
                "response_format": (None, {"type": "text"}), "tools": (None, []),
                "tool_choice": (None, "none", "auto"), "functions": (None, []),
                "function_call": (None, "none", "auto"), "modalities": (None, ["text"]),
@@ -187,6 +245,13 @@ class ChatCompletionRequest(_Common):
                "web_search_options": (None,)}
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_params(self) -> dict:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def prompt_input(self):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -217,7 +282,8 @@ def completion_body(rid: str, model: str, chat: bool, choices: list[dict],
     kind = "chat.completion" if chat else "text_completion"
     out = []
     for c in choices:
-        item = {"index": c["index"], "finish_reason": c.get("finish_reason"), "logprobs": None}
+        item = {"index": c["index"], "finish_reason": c.get("finish_reason"),
+                "logprobs": c.get("logprobs")}
         if "token_ids" in c:
             item["token_ids"] = c["token_ids"]
         if not chat:

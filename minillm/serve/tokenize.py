@@ -42,12 +42,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt] = Field(max_length=1 << 20)
 
 
-def check_model(name: str, served: str) -> None:
-    if name != served:
-        raise APIError(f"model {name!r} does not exist: this server serves {served!r}",
-                       param="model", code="model_not_found")
-
-
 def tokenize(llm, body: TokenizeRequest) -> dict:
     try:
         ids = llm.encode(body.prompt_input())

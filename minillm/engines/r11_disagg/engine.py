@@ -60,6 +60,7 @@ class Transfer:
 class DisaggEngine(PagedEngine):
     name = "disagg"
     supports_parallel = False    # n > 1 and beams: refused (validate says why)
+    refuses = frozenset({"prompt_logprobs"})   # prompts are computed on the prefill worker
     has_prefill_pool = True
     configs = PagedEngine.configs + (DisaggConfig,)
 

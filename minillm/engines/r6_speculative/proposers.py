@@ -120,7 +120,7 @@ class DraftModelProposer:
             scheduled = [(d, d.num_uncomputed) for _, d, _ in active]
             for d, n in scheduled:
                 self.block_manager.append_slots(d, n)
-            reached, logits = self.runner.run(scheduled)
+            reached, logits, _ = self.runner.run(scheduled)   # (no prompt logprobs here)
             row_of = {d.seq_id: i for i, d in enumerate(reached)}   # reached is in step order
             for (s, d, _), (_, n) in zip(active, scheduled):
                 d.num_computed_tokens += n

@@ -59,6 +59,7 @@ class MicroBatch:
 
 class PipelineEngine(PagedEngine):
     name = "pipeline"
+    refuses = frozenset({"prompt_logprobs"})   # the last stage returns sampled rows' logits only
 
     configs = PagedEngine.configs + (ParallelConfig,)
 

@@ -1,0 +1,79 @@
+"""Step time with and without ``async_scheduling`` (rung 12, notebook 12).
+
+    python -m minillm.bench.async_step --models tiny-llama,smollm2-135m-instruct --batch 1,8,32
+
+Each run serves ``batch`` requests at once (``max_num_seqs = batch``, fixed output lengths)
+through the one driver, with a consumer that does what a server's stream does after every step:
+decode each running request's text so far. Synchronously that host work sits between two
+forwards; with ``async_scheduling`` the next forward runs during it. Printed per model and batch:
+ms per step and output tok/s for both, and the host time the overlap hid (``overlap``).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ..core.driver import Driver, ScheduledArrivals, WallClock
+from ..engines import create_engine
+from ..models import load_model
+from ..request import Request, SamplingParams
+
+
+def requests(batch: int, prompt_len: int, max_tokens: int) -> list[Request]:
+    return [Request([(13 * i + k) % 500 + 10 for k in range(prompt_len)],
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(batch)]
+
+
+def measure(model, batch: int, async_scheduling: bool, prompt_len: int, max_tokens: int) -> dict:
+    engine = create_engine("paged", model, async_scheduling=async_scheduling,
+                           max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
+    tok = model.tokenizer
+    reqs = requests(batch, prompt_len, max_tokens)
+
+    def stream(out, record):            # what a server's streaming does after each step
+        for r in reqs:
+            tok.decode(r.output_token_ids)
+
+    engine.run(requests(batch, prompt_len, 4))          # warm-up: kernels, allocator
+    driver = Driver(engine, WallClock(), ScheduledArrivals([(0.0, r) for r in reqs]),
+                    on_step=stream)
+    t = time.perf_counter()
+    result = driver.run()
+    seconds = time.perf_counter() - t
+    info = engine.describe().get("overlap")
+    engine.close()
+    return {"ms_per_step": 1000 * seconds / len(result.steps),
+            "tok_s": batch * max_tokens / seconds, "overlap": info}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny-llama,smollm2-135m-instruct")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (on a loaded 2-core machine, 2 threads' OpenMP barriers "
+                         "slow the main thread's forwards far more than a worker thread's: "
+                         "compare at 1 to see the overlap alone)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"{'model':24} {'batch':>5} {'sync ms/step':>12} {'async ms/step':>13} "
+          f"{'sync tok/s':>10} {'async tok/s':>11}  hidden host ms")
+    for name in args.models.split(","):
+        model = load_model(name, dtype=args.dtype)
+        for batch in map(int, args.batch.split(",")):
+            s = measure(model, batch, False, args.prompt_len, args.max_tokens)
+            a = measure(model, batch, True, args.prompt_len, args.max_tokens)
+            print(f"{name:24} {batch:5d} {s['ms_per_step']:12.2f} {a['ms_per_step']:13.2f} "
+                  f"{s['tok_s']:10.1f} {a['tok_s']:11.1f}  {a['overlap']['hidden_ms']:.1f} "
+                  f"of {a['overlap']['forward_ms']:.1f} forward ms")
+
+
+if __name__ == "__main__":
+    main()

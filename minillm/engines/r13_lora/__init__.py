@@ -1,0 +1,11 @@
+"""Rung 13: multi-LoRA serving, one batch running many adapters (notebook 13_multi_lora).
+
+``adapter.py`` reads PEFT adapters (``LoRARequest``), ``slots.py`` keeps ``max_loras`` of them on
+the device (LRU swapping from host memory), ``kernels.py`` computes each row's delta (Punica's
+sgmv and bgmv in torch), ``layers.py`` wraps the core's linear layers, ``engine.py`` is rung 3's
+engine through its seams (``make_runner``, ``schedule_step``, ``prefix_seed``).
+"""
+from .adapter import LoRAAdapter, LoRARequest, load_adapter
+from .config import LoRAConfig
+
+__all__ = ["LoRAAdapter", "LoRAConfig", "LoRARequest", "load_adapter"]

@@ -1,0 +1,107 @@
+"""Rung 12's overlapped step (``async_scheduling=True``, engines/r12_realtime, notebook 12): tokens
+(greedy and seeded, n > 1, beams) identical to the synchronous engine with preemption and prefix
+caching; an abort while a forward is in flight ends the request once; a forward that fails resets
+cleanly; the engines that cannot overlap refuse the option by name."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from minillm import Request, SamplingParams
+from minillm.core.engine import PagedEngine
+from minillm.engines import create_engine
+from minillm.engines.r12_realtime.engine import AsyncEngine
+from minillm.request import FinishReason
+
+from conftest import drain
+
+
+def workload(seed: int = 0) -> list[Request]:
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]              # a prefix the cache can share
+    reqs = []
+    for i in range(10):
+        if i == 3:
+            params = SamplingParams(max_tokens=8, beam_width=3)
+        else:
+            params = SamplingParams(max_tokens=12 + i, temperature=0.9 if i % 2 else 0.0,
+                                    seed=seed + i, n=3 if i % 4 == 0 else 1, top_k=20)
+        prompt = shared + [(7 * i + k) % 200 + 3 for k in range(2 + 3 * i)]
+        reqs.append(Request(prompt, params, request_id=f"r{i}"))
+    return reqs
+
+
+def outputs(engine, reqs) -> dict:
+    return {o.request_id: (o.samples, o.finish_reasons) for o in engine.run(reqs).outputs}
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_blocks=18, block_size=4, max_num_seqs=6),                      # preempts
+    dict(num_blocks=64, block_size=4, max_num_seqs=4, enable_prefix_caching=True,
+         max_num_batched_tokens=24, policy="slo"),                          # chunks, prefix hits
+])
+def test_tokens_identical_to_the_synchronous_engine(tiny, options):
+    sync = create_engine("paged", tiny, **options)
+    overlapped = create_engine("paged", tiny, async_scheduling=True, **options)
+    assert type(sync) is PagedEngine and type(overlapped) is AsyncEngine
+    want, got = outputs(sync, workload()), outputs(overlapped, workload())
+    assert got == want
+    assert overlapped.num_preemptions == sync.num_preemptions
+    assert overlapped.prefix_hit_tokens == sync.prefix_hit_tokens
+    if options["num_blocks"] == 18:
+        assert sync.num_preemptions > 0
+    for e in (sync, overlapped):
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+    info = overlapped.describe()
+    assert info["async_scheduling"] and info["overlap"]["steps"] > 0
+    overlapped.close()
+
+
+def test_abort_while_a_forward_is_in_flight_ends_the_request_once(tiny):
+    engine = create_engine("paged", tiny, async_scheduling=True, num_blocks=32, block_size=4)
+    reqs = workload()[:4]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()                                   # launches the first forward
+    assert engine.in_flight is not None
+    assert engine.abort("r1") and not engine.abort("r1") and not engine.abort("nope")
+    finals = drain(engine, Counter())
+    assert all(finals[r.request_id] == 1 for r in reqs)
+    assert reqs[1].finish_reason is FinishReason.ABORT
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.close()
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_a_failing_forward_is_raised_and_the_engine_resets(tiny):
+    engine = create_engine("paged", tiny, async_scheduling=True, num_blocks=32, block_size=4)
+    real_run, calls = engine.runner.run, []
+
+    def flaky(scheduled):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Boom("forward failed")
+        return real_run(scheduled)
+
+    engine.runner.run = flaky                       # the test's own fault injection
+    with pytest.raises(Boom):
+        engine.run(workload()[:3])
+    assert engine.in_flight is None and not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.runner.run = real_run
+    assert len(engine.run(workload()[:2]).outputs) == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("extra", [dict(speculative="ngram"), dict(pipeline_parallel_size=2),
+                                   dict(tensor_parallel_size=2)])
+def test_engines_that_cannot_overlap_refuse_it_by_name(tiny, extra):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        create_engine("paged", tiny, async_scheduling=True, num_blocks=16, **extra)
+
+
+def test_async_scheduling_false_is_the_plain_engine(tiny):
+    assert type(create_engine("paged", tiny, async_scheduling=False, num_blocks=8)) is PagedEngine
