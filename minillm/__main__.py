@@ -17,7 +17,10 @@ from .jsonl import Line, output_row, read_lines, write_rows
 GENERATE_HELP = """\
 Generate for every non-blank line of a UTF-8 JSONL file (a leading BOM is ignored): an object with
 one of "prompt", "messages", "prompt_token_ids", and optionally "id", "max_tokens", "temperature",
-"top_p", "top_k", "seed", "n", "beam_width", "priority", "ignore_eos". --out gets one line per
+"top_p", "top_k", "seed", "n", "beam_width", "priority", "ignore_eos", the sampler's controls
+("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+"logit_bias": {"token id": bias}) and "lora" (an adapter of --lora-modules, with --enable-lora:
+rung 13). --out gets one line per
 input line, in order: a result, or {"id", "error"}; it is replaced atomically, never left
 half-written. Exit status: 0 all ok, 1 some lines failed (also when the engine itself fails
 mid-run, e.g. a pipeline worker dies: the lines that finished are kept, the others get an error
@@ -94,8 +97,9 @@ def option_help() -> dict[str, str]:
     return {name: opt.help for name, opt in all_options().items()}
 
 
-def make_requests(llm, lines: list[Line]) -> list:
-    """A Request per parsed line; a line whose sampling parameters are invalid gets its error."""
+def make_requests(llm, lines: list[Line], adapters: dict | None = None) -> list:
+    """A Request per parsed line; a line whose sampling parameters are invalid, or whose "lora"
+    names no adapter of ``--lora-modules``, gets its error."""
     from .checks import check_field
     from .request import SamplingParams
 
@@ -105,12 +109,20 @@ def make_requests(llm, lines: list[Line]) -> list:
         try:
             priority = check_field("priority", extra["priority"])
             req = llm.make_requests([prompt], [SamplingParams(**params)])[0]
+            req.lora_request = lora_of(extra["lora"], adapters or {})
         except ValueError as e:
             line.error = f"line {line.lineno}: {e}"
             continue
         req.request_id, req.priority = line.request_id, priority
         requests.append(req)
     return requests
+
+
+def lora_of(name: str | None, adapters: dict):
+    if name is not None and name not in adapters:
+        raise ValueError(f"lora {name!r} is not an adapter of --lora-modules "
+                         f"({', '.join(adapters) or 'none given'})")
+    return adapters.get(name) if name is not None else None
 
 
 def fail(message: str) -> int:
@@ -142,9 +154,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return fail(f"cannot write --out {args.out}: {e.strerror or e}")
 
     from .llm import LLM
+    from .serve.lora import load_adapters, parse_lora_modules
     try:
         llm = LLM(args.model, engine=args.engine, dtype=args.dtype, threads=args.threads,
                   **options)
+        adapters = load_adapters(llm, parse_lora_modules(args.lora_modules), "")
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
     outputs, metrics, failure, interrupt = {}, None, None, None
@@ -152,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # dies, a bug) -- the engine has aborted what was in flight: keep the outputs that finished,
     # and give every other line an error saying why, instead of a traceback and no --out at all.
     try:
-        requests = make_requests(llm, lines)
+        requests = make_requests(llm, lines, adapters)
         metrics = llm.run(requests, progress=not args.quiet,
                           on_output=lambda out: outputs.__setitem__(out.request_id, out)).metrics
     except KeyboardInterrupt as e:
@@ -232,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float)
     g.add_argument("--seed", type=int)
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                   help='LoRA adapters a line may name ("lora": NAME); needs --enable-lora')
     add_engine_options(g)
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="run engines side by side on one workload")

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 LINE_FIELDS = {"id": (str, int), "messages": list, "prompt": str, "prompt_token_ids": list,
                "max_tokens": int, "temperature": (int, float), "top_p": (int, float),
                "top_k": int, "seed": int, "n": int, "beam_width": int, "priority": int,
-               "ignore_eos": bool}
+               "ignore_eos": bool, "presence_penalty": (int, float),
+               "frequency_penalty": (int, float), "repetition_penalty": (int, float),
+               "min_p": (int, float), "min_tokens": int, "logit_bias": dict, "lora": str}
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "beam_width",
-                "ignore_eos")
+                "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "min_p", "min_tokens", "logit_bias")
 
 
 @dataclass
@@ -61,7 +64,11 @@ def parse_line(lineno: int, obj, defaults: dict) -> tuple[object, dict, dict]:
     if len(sources) != 1:
         raise ValueError(f"line {lineno}: needs exactly one of messages, prompt, prompt_token_ids")
     params = {**defaults, **{k: obj[k] for k in PARAM_FIELDS if k in obj}}
-    return {sources[0]: obj[sources[0]]}, params, {"priority": obj.get("priority", 0)}
+    if "logit_bias" in params:     # JSON keys are strings: "50256" is token 50256
+        params["logit_bias"] = {int(k) if k.isdigit() else k: v
+                                for k, v in params["logit_bias"].items()}
+    extras = {"priority": obj.get("priority", 0), "lora": obj.get("lora")}   # lora: rung 13
+    return {sources[0]: obj[sources[0]]}, params, extras
 
 
 def echo_id(lineno: int, obj) -> object:

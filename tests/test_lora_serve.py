@@ -79,3 +79,33 @@ def test_bad_lora_modules_are_named(tiny, modules, tmp_path):
     with pytest.raises(ValueError, match="nothing-here"):
         create_app(LLM(tiny, engine="paged", enable_lora=True, max_lora_rank=4),
                    lora_modules=missing)
+
+
+def test_generate_jsonl_lines_name_their_adapter(tiny, modules, tmp_path):
+    """``python -m minillm generate --enable-lora --lora-modules ...``: a line's "lora" picks the
+    adapter (tokens equal ``LLM.generate`` with it); an unknown name is that line's error; the
+    sampler's controls ride on the line too (a +100 logit_bias makes greedy pick that token)."""
+    import subprocess
+    import sys
+
+    lines = [{"id": "base", "prompt": PROMPTS[0]}, {"id": "sql", "prompt": PROMPTS[0], "lora": "sql"},
+             {"id": "chat", "prompt": PROMPTS[1], "lora": "chat"},
+             {"id": "typo", "prompt": PROMPTS[0], "lora": "sq1"},
+             {"id": "bias", "prompt": PROMPTS[1], "logit_bias": {"7": 100}, "lora": "sql"}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    r = subprocess.run([sys.executable, "-m", "minillm", "generate", "--model", "tiny-llama",
+                        "--dtype", "float32", "--enable-lora", "--max-lora-rank", "4",
+                        "--lora-modules", *(f"{n}={m.lora_path}" for n, m in modules.items()),
+                        "--prompts", str(src), "--out", str(dst), "--max-tokens", "6", "--quiet"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]          # one line failed: the typo
+    rows = {row["id"]: row for row in map(json.loads, dst.read_text().splitlines())}
+    assert "'sq1' is not an adapter of --lora-modules (sql, chat)" in rows["typo"]["error"]
+    llm = LLM(tiny, engine="paged", enable_lora=True, max_lora_rank=4)
+    params = SamplingParams(max_tokens=6)
+    for key, prompt, lora in (("base", PROMPTS[0], None), ("sql", PROMPTS[0], "sql"),
+                              ("chat", PROMPTS[1], "chat")):
+        out = llm.generate([prompt], params, lora_request=modules.get(lora))[0]
+        assert rows[key]["token_ids"] == out.token_ids, key
+    assert set(rows["bias"]["token_ids"]) == {7}
