@@ -274,6 +274,12 @@ class ByteTokenizer:
         data = bytes(i - self.offset for i in ids if self.offset <= i < 256 + self.offset)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self, vocab_size: int) -> list[bytes]:
+        """Each id's bytes, for a grammar engine (``structured.py``): b"" for the special ids and
+        those past the bytes (xgrammar never allows an empty token)."""
+        return [bytes([i - self.offset]) if self.offset <= i < 256 + self.offset else b""
+                for i in range(vocab_size)]
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **_):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         text += "<assistant>" if add_generation_prompt else ""

@@ -11,6 +11,7 @@ from enum import Enum
 
 from .checks import check_field, check_float
 from .sampling_params import SamplingParams   # defined there, re-exported here (the API)
+from .structured import GrammarState
 
 TokenLogprobs = dict[int, float]     # token id -> log-probability (the chosen token always in it)
 
@@ -105,6 +106,9 @@ class Request:
     # ``params.prompt_logprobs``: one per prompt token (the first None), landed by
     # ``commit_prompt_logprobs`` as prefill chunks compute them
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # ``params.structured_outputs``: its matchers (``structured.GrammarState``), given by the
+    # engine's ``validate``; advanced by ``commit`` only, on the tokens that land
+    grammar: GrammarState | None = None
 
     def __post_init__(self):
         if not self.request_id:
@@ -156,7 +160,8 @@ class Request:
         (how many landed, why the sample stopped or None). The first token of the request stamps
         ``first_token_time``. ``sample=None`` (a beam step: its tokens land when the search
         ends, through ``set_final``) only stamps the time. ``logprobs[i]`` (``params.logprobs``)
-        lands with ``tokens[i]``."""
+        lands with ``tokens[i]``. Each landed token advances the sample's grammar (structured
+        output), and a complete grammar ends the sample ("stop")."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter() if now is None else now
         if sample is None:
@@ -170,6 +175,8 @@ class Request:
             out.token_ids.append(token)
             reason = stop_reason(self.params, token, len(out.token_ids),
                                  self.prompt_len + len(out.token_ids), eos_ids, max_model_len)
+            if reason is None and self.grammar is not None and self.grammar.advance(sample, token):
+                reason = FinishReason.STOP          # the grammar is complete: nothing may follow
             if reason is not None:
                 out.finish_reason = reason
                 return i + 1, reason

@@ -7,7 +7,8 @@ drawn from ``random.Random((seed, i))``, so a seeded request samples the same to
 alone, in a batch of 64, or was preempted and recomputed halfway. (Its logits can still differ in
 the last fp32 bit between batch shapes; that only matters at exact near-ties.) The controls keep
 that promise: each is a per-row tensor operation over the rows that use one, depending only on
-the row's own logits, parameters and tokens.
+the row's own logits, parameters and tokens. So does structured output: a constrained row's
+grammar mask (``structured.apply_grammar_masks``) comes first, in place, from its own matcher.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import random
 import torch
 
 from .request import Request, SamplingParams
+from .structured import apply_grammar_masks, row_matcher
 
 # (prompt token ids, output token ids) of a row: what penalties and min_tokens look at
 History = tuple[list[int], list[int]]
@@ -28,15 +30,20 @@ def sample_next_tokens(logits: torch.Tensor, requests: list[Request],
     return sample_tokens(logits, [r.params for r in requests],
                          [len(r.output_token_ids) for r in requests],
                          histories=[(r.prompt_token_ids, r.output_token_ids) for r in requests],
-                         eos_ids=eos_ids)
+                         eos_ids=eos_ids, matchers=[row_matcher(r, 0) for r in requests])
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                   sample_ids: list[int] | None = None, histories: list[History] | None = None,
-                  eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
+                  eos_ids: set[int] | frozenset[int] = frozenset(),
+                  matchers: list | None = None) -> list[int]:
     """Row i: output token number ``indices[i]`` of sample ``sample_ids[i]`` (n > 1), drawn with
     ``params[i]``; ``histories[i]`` is needed when a row uses a control (penalties,
-    ``min_tokens``...). Greedy rows are one batched argmax; sampled rows are drawn one by one."""
+    ``min_tokens``...); ``matchers[i]``, when not None, is the row's grammar (structured output):
+    its mask is applied to ``logits`` in place, first. Greedy rows are one batched argmax;
+    sampled rows are drawn one by one."""
+    if matchers is not None and any(m is not None for m in matchers):
+        apply_grammar_masks(logits, matchers)
     rows, processed = apply_controls(logits, params, histories, eos_ids)
     at = {r: j for j, r in enumerate(rows)}
     greedy = logits.argmax(dim=-1).tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .checks import INT32_MAX, check_field, check_float, check_int
+from .structured import StructuredOutputsParams
 
 # Below this a temperature is treated as 0 (greedy), as vLLM does: dividing logits by 1e-38
 # overflows to inf and the "sample" would be NaN garbage.
@@ -20,9 +21,10 @@ MAX_LOGIT_BIAS = 300         # entries of logit_bias (OpenAI documents no cap; v
 CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                   "min_tokens", "logit_bias")
 LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
+STRUCTURED_FIELDS = ("structured_outputs",)
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
            "min_p": 0.0, "min_tokens": 0, "logit_bias": (), "logprobs": None,
-           "prompt_logprobs": None}
+           "prompt_logprobs": None, "structured_outputs": None}
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,11 @@ class SamplingParams:
     request asking ``prompt_logprobs`` never adopts blocks from the prefix cache (vLLM does the
     same): every prompt position must run through the model to have logits.
 
+    ``structured_outputs`` (``minillm.structured.StructuredOutputsParams``, or a dict of its
+    fields): a JSON schema, ``json_object``, a regex or a choice the output must match; the
+    grammar's mask is applied to the logits before everything else (so logprobs are those of the
+    masked distribution, as in vLLM), and the output ends ("stop") when the grammar is complete.
+
     Every field is checked, by type and by value, when the object is made: a bad one raises a
     ``ValueError`` naming the field and the value. The object is frozen, so it stays valid: to
     change a field, make a new one (``dataclasses.replace(params, seed=1)``, which checks again).
@@ -77,6 +84,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self._set("max_tokens", check_field("max_tokens", self.max_tokens))
@@ -104,6 +112,7 @@ class SamplingParams:
                              f"temperature=0, got temperature={self.temperature!r}")
         self._check_logprobs()
         self._check_controls()
+        self._check_structured()
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)   # only while checking: the object is frozen
@@ -132,6 +141,18 @@ class SamplingParams:
         if used and self.beam_width > 1:
             raise ValueError(f"{used[0]}={getattr(self, used[0])!r} needs beam_width=1: beam "
                              f"search ranks raw log-probabilities, got beam_width={self.beam_width}")
+
+    def _check_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        self._set("structured_outputs", StructuredOutputsParams.coerce(so))
+        if self.beam_width > 1:     # a beam would need a matcher per hypothesis, forked and ranked
+            raise ValueError(f"structured_outputs needs beam_width=1, got beam_width="
+                             f"{self.beam_width}")
+        if self.min_tokens:         # a complete grammar allows only EOS, which min_tokens forbids
+            raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with "
+                             "structured_outputs: the grammar decides where the output ends")
 
     @staticmethod
     def _check_bias(bias) -> tuple[tuple[int, float], ...]:
@@ -182,6 +203,7 @@ class SamplingParams:
         return any(getattr(self, f) != NEUTRAL[f] for f in CONTROL_FIELDS)
 
     def fields_in_use(self) -> list[str]:
-        """The controls and log-probability fields set to something other than "off" (what an
-        engine that cannot honour them refuses by name)."""
-        return [f for f in CONTROL_FIELDS + LOGPROB_FIELDS if getattr(self, f) != NEUTRAL[f]]
+        """The controls, log-probability and structured-output fields set to something other than
+        "off" (what an engine that cannot honour them refuses by name)."""
+        return [f for f in CONTROL_FIELDS + LOGPROB_FIELDS + STRUCTURED_FIELDS
+                if getattr(self, f) != NEUTRAL[f]]

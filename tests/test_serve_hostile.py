@@ -161,8 +161,7 @@ CHAT = [{"role": "user", "content": "Hi"}]
     ("/v1/completions", "include_stop_str_in_output", True),
     ("/v1/completions", "top_logprobs", 2),                            # a chat field
     ("/v1/completions", "foo", 1),
-    ("/v1/completions", "response_format", {"type": "json_object"}),   # a chat field
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),    # vLLM's old structured_outputs
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "echo", True),                           # a completions field

@@ -25,6 +25,7 @@ from ..memory import KVCounts, MemorySnapshot
 from ..metrics import StepRecord
 from ..models import LoadedModel, dtype_name
 from ..request import Request, RequestError, RequestOutput
+from ..structured import bind_grammar
 from .driver import Driver, RunResult, ScheduledArrivals, WallClock  # noqa: F401 (RunResult: API)
 from .observe import Observers
 
@@ -215,7 +216,8 @@ class Engine:
 
     def _check_params(self, req: Request) -> None:
         """The sampling fields this engine refuses (``refuses``), and ``logit_bias`` ids outside
-        the vocabulary (they would index past the logits)."""
+        the vocabulary (they would index past the logits); a structured-output request gets its
+        grammar here."""
         p = req.params
         refused = [f for f in p.fields_in_use() if f in self.refuses]
         if refused:
@@ -226,6 +228,10 @@ class Engine:
         if bad:
             raise RequestError(f"{req.request_id}: logit_bias token id {bad[0]} is outside the "
                                f"vocabulary [0, {vocab})")
+        try:   # structured output: its grammar, compiled for this tokenizer (minillm/structured.py)
+            bind_grammar(req, self.tokenizer, vocab, self.eos_ids)
+        except ValueError as e:
+            raise RequestError(f"{req.request_id}: {e}") from None
 
     def add_lora(self, lora_request) -> object:
         """Read a LoRA adapter into host memory before requests use it (rung 13's engine; vLLM's

@@ -4,7 +4,8 @@ Plain sequences (n = 1 and each of n parallel samples) get a token, drawn with t
 seeded randomness and controls (``minillm.sampling``); beams get log-probabilities, which beam
 search compares across the request's beams (``beam.py``). A row whose request asks ``logprobs``
 also gets its token's log-probability and the top k (``minillm.logprobs``: the raw model
-distribution, before the controls), carried as a third item of its ``(sequence, token)`` pair to
+distribution, before the controls; a structured-output row's grammar mask comes first, as in
+vLLM), carried as a third item of its ``(sequence, token)`` pair to
 the commit point. The visualizer swaps this class for one that replays recorded tokens, and the
 model runner for one that computes nothing: same scheduler, same blocks.
 """
@@ -14,6 +15,7 @@ import torch
 
 from ..logprobs import TokenLogprobs, token_logprobs
 from ..sampling import sample_tokens
+from ..structured import row_matcher
 from .sequence import Sequence
 
 # (sequence, token) or (sequence, token, its logprobs) when the request asks for them
@@ -35,9 +37,12 @@ class Sampler:
         # what penalties and min_tokens read, built only when a row uses one
         histories = [(s.token_ids[:s.prompt_len], s.output_token_ids) for _, s in plain] \
             if any(p.needs_processing for p in params) else None
+        # a grammar per constrained sample (structured output): each masks its own row
+        matchers = [row_matcher(s.request, s.sample_id) for _, s in plain] \
+            if any(p.structured_outputs is not None for p in params) else None
         tokens = sample_tokens(mine, params, [s.num_tokens - s.prompt_len for _, s in plain],
                                [s.sample_id for _, s in plain], histories,
-                               self.eos_ids) if plain else []
+                               self.eos_ids, matchers) if plain else []
         out: Tokens = list(zip([s for _, s in plain], tokens))
         asking = [r for r, (_, s) in enumerate(plain) if s.request.params.logprobs is not None]
         if asking:

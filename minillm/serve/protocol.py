@@ -1,14 +1,14 @@
 """What goes over the wire: OpenAI's request and response shapes, and its error body.
 
 Each endpoint has one explicit list of the fields it accepts, and every other field is a 400 that
-names it: a client that asks for something minillm does not do (``logit_bias``, ``tools``,
-``response_format``...) learns it at once instead of getting an answer that silently ignored
+names it: a client that asks for something minillm does not do (``tools``, ``suffix``...)
+learns it at once instead of getting an answer that silently ignored
 its request. The lists:
 
 * honoured: the fields declared on the request models below (OpenAI's, among them ``logprobs``,
-  ``echo``, ``top_logprobs``, the penalties and ``logit_bias``, plus vLLM's extras ``top_k``,
-  ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids``,
-  ``stop_token_ids``);
+  ``echo``, ``top_logprobs``, the penalties, ``logit_bias`` and ``response_format``, plus vLLM's
+  extras ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
+  ``return_token_ids``, ``stop_token_ids``, ``structured_outputs``);
 * ``IGNORED``: fields that only carry metadata and never change the answer (``user``...);
 * ``REFUSED``: fields that would change the answer, accepted only with the value that changes
   nothing (``"tools": []``, ``"suffix": ""``...), which some clients send on every request;
@@ -27,6 +27,7 @@ from ..checks import FIELD_RANGES
 from ..core.policy import MAX_SLO_MS
 from ..request import SamplingParams
 from ..sampling_params import MAX_LOGPROBS
+from ..structured import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -65,6 +66,25 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the schema is
+    always followed exactly (xgrammar's strict mode: no properties beyond those declared)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")   # BaseModel has .schema
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object``, ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -106,6 +126,10 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)   # vLLM's extras
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: StrictInt | None = Field(default=None, ge=0, le=FIELD_RANGES["max_tokens"][1])
+    # structured output (minillm/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs ({"json" | "regex" | "choice" | "json_object", "disable_any_whitespace"})
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     # rung 12: this request's objectives in ms (policy slo orders by their deadlines; None: the
     # server's --slo-ttft-ms / --slo-tpot-ms); in (0, MAX_SLO_MS]
     ttft_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
@@ -162,6 +186,24 @@ class _Common(BaseModel):
             out[token] = value
         return out
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` with ``response_format`` filled in (vLLM merges them the same
+        way); a schema xgrammar refuses is a 400 naming the field the client used."""
+        fields = dict(self.structured_outputs or {})
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            fields["json_object"] = True
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError("response_format of type json_schema needs json_schema.schema",
+                               param="response_format")
+            fields["json"] = fmt.json_schema.schema_
+        try:
+            return StructuredOutputsParams.coerce(fields) if fields else None
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), param="response_format" if fmt is not None and
+                           fmt.type != "text" else "structured_outputs") from None
+
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """The engine's ``SamplingParams``; a value it refuses becomes a 400 naming the field.
         ``max_tokens`` 0 (completions: the prompt's logprobs only, as lm-evaluation-harness asks)
@@ -184,7 +226,7 @@ class _Common(BaseModel):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
                 min_tokens=self.min_tokens or 0, logit_bias=self.bias(vocab_size),
-                **self.logprob_params())
+                structured_outputs=self.structured(), **self.logprob_params())
         except ValueError as e:   # SamplingParams' messages start with the field's name
             raise APIError(str(e), param=str(e).split(" ")[0]) from None
 
@@ -238,7 +280,7 @@ class ChatCompletionRequest(_Common):
     IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
                          "prompt_cache_key", "safety_identifier"})
     REFUSED = {**REFUSED_COMMON,
-               "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "tools": (None, []),
                "tool_choice": (None, "none", "auto"), "functions": (None, []),
                "function_call": (None, "none", "auto"), "modalities": (None, ["text"]),
                "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),

@@ -23,7 +23,7 @@ import torch
 from ...core.engine import PagedEngine
 from ...core.sequence import Sequence
 from ...request import Request, SpecStats, stop_reason
-from ...sampling_params import CONTROL_FIELDS, LOGPROB_FIELDS
+from ...sampling_params import CONTROL_FIELDS, LOGPROB_FIELDS, STRUCTURED_FIELDS
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .rejection import accept
@@ -34,8 +34,9 @@ class SpeculativeEngine(PagedEngine):
     name = "paged+spec"
     configs = PagedEngine.configs + (SpeculativeConfig,)
     # verify() judges guesses by the raw distribution, and the proposers draw without the
-    # controls: both would have to apply them per guessed position (not done here)
-    refuses = frozenset(CONTROL_FIELDS + LOGPROB_FIELDS)
+    # controls or a grammar's mask: both would have to apply them per guessed position, the
+    # grammar rolled back past rejected guesses (not done here)
+    refuses = frozenset(CONTROL_FIELDS + LOGPROB_FIELDS + STRUCTURED_FIELDS)
 
     def __init__(self, model, *, proposer: Proposer | None = None, **options):
         """``options``: the paged engine's and ``SpeculativeConfig``'s, flat:

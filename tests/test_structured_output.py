@@ -1,0 +1,240 @@
+"""Structured output (issue 44): a grammar's mask per row per step, applied in the one sampler,
+the grammar advanced at the one commit point (``minillm/structured.py``). Every output is parsed
+and validated with ``jsonschema`` (or matched against its regex / choices): greedy, seeded
+sampling, n = 3, under preemption and chunked prefill, on rungs 2 and 3; rows without a grammar
+sample the same tokens as in a batch without constrained rows; the server takes OpenAI's
+``response_format`` and vLLM's ``structured_outputs`` through the official ``openai`` client, and
+an invalid schema is a 400 naming ``response_format``; the KV pool returns to full.
+
+The tiny random model writes random bytes: its strings are bounded by ``pattern`` (xgrammar
+0.2.8 lets a ``maxLength`` string hold raw control characters, which JSON forbids) and its JSON
+is compact (``disable_any_whitespace``: it would otherwise fill max_tokens with newlines).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.request import Request, RequestError
+from minillm.structured import StructuredOutputsParams as SO
+from minillm.structured import compiler_for
+from serve_util import running_server
+
+WORD = {"type": "string", "pattern": "^[a-z]{1,6}$"}
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "name": WORD, "address": {"type": "object", "properties": {
+            "city": WORD, "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+            "required": ["city", "zip"]}}, "required": ["name", "address"]},
+    "enums_arrays": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "sizes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                  "minItems": 1, "maxItems": 4},
+        "ok": {"type": "boolean"}}, "required": ["color", "sizes", "ok"]},
+    "list_of_objects": {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": -50, "maximum": 50}, "tag": {"enum": ["a", "b"]}},
+        "required": ["id", "tag"]}, "minItems": 1, "maxItems": 3},
+}
+PROMPTS = ["Describe a person:", "hello there", "{", "Give me JSON"]
+
+
+def json_params(schema: dict, **kw) -> SamplingParams:
+    so = SO(json=schema, disable_any_whitespace=True)
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 160), structured_outputs=so, **kw)
+
+
+def check_json(out, schema: dict) -> None:
+    assert out.finish_reason == "stop", f"the grammar never completed: {out.text!r}"
+    jsonschema.validate(json.loads(out.text), schema)
+
+
+def decoded(llm: LLM, out) -> list[str]:
+    return [llm.tokenizer.decode(s, skip_special_tokens=True) for s in out.samples]
+
+
+def assert_pool_full(llm: LLM) -> None:
+    assert llm.engine.kv_counts().allocated == 0
+
+
+@pytest.fixture(scope="module")
+def paged(tiny):
+    return LLM(tiny, engine="paged")
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.7, seed=5),
+                                      dict(temperature=1.0, seed=1, n=3)])
+def test_every_output_validates(paged, name, sampling):
+    schema = SCHEMAS[name]
+    outs = paged.generate(PROMPTS, json_params(schema, **sampling))
+    for out in outs:
+        assert set(out.finish_reasons) == {"stop"}, decoded(paged, out)
+        for text in decoded(paged, out):
+            jsonschema.validate(json.loads(text), schema)
+    assert_pool_full(paged)
+
+
+def test_choice_and_regex_outputs_match(paged):
+    choices = ["yes", "no", "maybe not"]
+    for out in paged.generate(PROMPTS, SamplingParams(
+            max_tokens=20, temperature=1.0, seed=2, n=3, structured_outputs=SO(choice=choices))):
+        assert all(t in choices for t in decoded(paged, out)), decoded(paged, out)
+    pattern = r"[a-z]{2,4}-\d{3}"
+    for out in paged.generate(PROMPTS, SamplingParams(
+            max_tokens=20, temperature=0.9, seed=4, structured_outputs=SO(regex=pattern))):
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", out.text
+
+
+def test_a_complete_grammar_stops_even_with_ignore_eos(paged):
+    out = paged.generate(["x"], SamplingParams(max_tokens=30, ignore_eos=True,
+                                               structured_outputs=SO(choice=["ab"])))[0]
+    assert out.text == "ab" and out.finish_reason == "stop"
+
+
+def test_unconstrained_rows_are_not_touched(paged):
+    """Constrained and free rows in one batch: the free rows sample exactly the tokens they
+    sample in a batch of free rows only (greedy and seeded)."""
+    free = [SamplingParams(max_tokens=24, ignore_eos=True),
+            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=7)]
+    alone = paged.generate(PROMPTS[:2], free)
+    mixed = paged.generate(PROMPTS, free + [json_params(SCHEMAS["nested"]),
+                                            json_params(SCHEMAS["enums_arrays"], seed=3,
+                                                        temperature=0.8)])
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+    check_json(mixed[2], SCHEMAS["nested"])
+    check_json(mixed[3], SCHEMAS["enums_arrays"])
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_blocks=56, block_size=4, max_num_batched_tokens=16),     # preempts
+    dict(max_num_batched_tokens=8, block_size=4),                      # chunked prefill
+])
+def test_preemption_and_chunked_prefill_keep_the_grammar(tiny, paged, options):
+    """A matcher advances only on committed tokens: a request preempted (its tokens kept, its
+    K/V recomputed) or prefilled in chunks goes on where it stood, same tokens as a roomy run."""
+    schema = SCHEMAS["list_of_objects"]
+    prompts = [list(range(10 + i, 30 + i)) for i in range(4)]
+    params = json_params(schema, temperature=0.8, seed=11, n=2, max_tokens=90)
+    want = paged.generate(prompts, params)
+    tight = LLM(tiny, engine="paged", **options)
+    result = tight.run(tight.make_requests(prompts, params))
+    assert result.metrics.num_errors == 0, [o.error for o in result.outputs]
+    if "num_blocks" in options:
+        assert result.metrics.num_preemptions > 0, "the tight pool should have preempted"
+    assert [o.samples for o in result.outputs] == [o.samples for o in want]
+    for out in result.outputs:
+        for text in decoded(tight, out):
+            jsonschema.validate(json.loads(text), schema)
+    assert_pool_full(tight)
+
+
+def test_rung_2_follows_the_same_grammar(tiny, paged):
+    """Rungs 0-2 sample with the same sampler and commit through ``Request.commit``."""
+    params = json_params(SCHEMAS["enums_arrays"])
+    dynamic = LLM(tiny, engine="dynamic").generate(PROMPTS, params)
+    assert [o.token_ids for o in dynamic] == [o.token_ids for o in paged.generate(PROMPTS, params)]
+
+
+def test_grammars_are_compiled_once_per_spec(tiny):
+    compiler = compiler_for(tiny.tokenizer, tiny.config.vocab_size, tiny.eos_token_ids)
+    a = compiler.compile(SO(json=SCHEMAS["nested"]))
+    assert compiler.compile(SO(json=json.dumps(SCHEMAS["nested"]))) is a
+    assert compiler.compile(SO(json=SCHEMAS["nested"], disable_any_whitespace=True)) is not a
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(json={"type": "foo"}), 'structured_outputs.json: invalid json: Unsupported type "foo"'),
+    (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
+    (dict(json=[1]), "structured_outputs.json must be a JSON schema"),
+    (dict(regex="(ab"), "structured_outputs.regex: invalid regex: .*parenthesis"),
+    (dict(choice=[]), "structured_outputs.choice must be a list of non-empty strings"),
+    (dict(choice="yes"), "structured_outputs.choice must be a list"),
+    (dict(json_object=True, regex="a"), "exactly one of json, regex, choice, json_object"),
+    (dict(), "exactly one of"),
+    (dict(regex="a", color=1), "unknown structured_outputs field"),
+])
+def test_bad_specs_are_value_errors_naming_the_problem(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_outputs=bad)
+
+
+def test_combinations_that_cannot_work_are_refused(tiny):
+    with pytest.raises(ValueError, match="structured_outputs needs beam_width=1"):
+        SamplingParams(beam_width=2, structured_outputs=SO(choice=["a"]))
+    with pytest.raises(ValueError, match="min_tokens=2 cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs=SO(choice=["a"]))
+    with pytest.raises(RequestError, match="structured_outputs=.* is not supported by engine"):
+        LLM(tiny, engine="paged+ngram").engine.validate(
+            Request([1, 2, 3], SamplingParams(structured_outputs=SO(choice=["a"]))))
+
+
+def test_the_server_takes_response_format_and_structured_outputs(tiny):
+    schema = SCHEMAS["enums_arrays"]
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    with running_server(LLM(tiny, engine="paged", num_blocks=64)) as (url, app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60)
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                      "strict": True}}
+        chat = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "JSON please"}], n=2,
+            temperature=0.7, seed=1, max_tokens=160, response_format=fmt, extra_body=compact)
+        for choice in chat.choices:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), schema)
+        done = client.completions.create(model="tiny-llama", prompt="{", max_tokens=160,
+                                         temperature=0, extra_body={"response_format": fmt,
+                                                                    **compact})
+        jsonschema.validate(json.loads(done.choices[0].text), schema)
+        pick = client.completions.create(model="tiny-llama", prompt="?", max_tokens=10,
+                                         extra_body={"structured_outputs": {"choice": ["A", "B"]}})
+        assert pick.choices[0].text in ("A", "B")
+        stream = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "go"}], max_tokens=160,
+            temperature=0, stream=True, response_format=fmt, extra_body=compact)
+        jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream
+                                               if c.choices)), schema)
+        for body, param, words in [
+            ({"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "foo"}}}}, "response_format", "Unsupported type"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+             "response_format", "needs json_schema.schema"),
+            ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
+            ({"response_format": {"type": "json_object"},
+              "structured_outputs": {"regex": "a"}}, "response_format", "exactly one")]:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+                "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], **body})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and words in err["message"], \
+                (body, r.text)
+        with pytest.raises(openai.BadRequestError, match="Unsupported type"):
+            client.chat.completions.create(
+                model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "foo"}}})
+        assert app.state.llm.engine.kv_counts().allocated == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_smollm2_writes_valid_json(smol, temperature):
+    """A real model, compact JSON (with any whitespace allowed, SmolLM2-135M at temperature 0
+    writes "{" then newlines until max_tokens; under json_object it repeats keys until then)."""
+    llm = LLM(smol, engine="paged")
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                    "maxItems": 3}},
+        "required": ["name", "age", "hobbies"]}
+    chats = [[{"role": "user", "content": f"Describe {who} as JSON."}]
+             for who in ("a pirate", "a chef")]
+    so = SO(json=schema, disable_any_whitespace=True)
+    for out in llm.generate(chats, SamplingParams(max_tokens=96, temperature=temperature,
+                                                  seed=0, structured_outputs=so)):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
