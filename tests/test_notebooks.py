@@ -55,6 +55,15 @@ def python_kernel() -> str:
     return "python3"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_first_cell_stands_the_student_s_solutions_in(path):
+    """Before anything of the engine is imported (a handout's stubs would be imported instead)."""
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    first = [line for line in cells[0].source.splitlines() if line.startswith(("from", "import"))]
+    assert first and first[0].startswith("from minillm.lab import labwork; labwork.use()"), \
+        f"{path.name}: the first import of its first cell must be labwork.use()"
+
+
 @pytest.fixture(scope="module")
 def classroom(tmp_path_factory) -> Path:
     """A handout with every exercise stubbed, solved in ``labwork/`` by a student whose code is
