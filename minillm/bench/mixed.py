@@ -45,6 +45,13 @@ MIXES: dict[str, tuple[RequestClass, ...]] = {
 }
 
 
+def slo_fields(c: RequestClass) -> dict:
+    """The class's objectives, sent with each request (``ttft_slo_ms``, ``tpot_slo_ms``): what
+    ``policy="slo"`` schedules by (rung 12); the other policies ignore them."""
+    return {"ttft_slo_ms": c.slo_ttft_ms,
+            **({} if math.isinf(c.slo_tpot_ms) else {"tpot_slo_ms": c.slo_tpot_ms})}
+
+
 def make_mixed_bodies(model: str, num_requests: int, seed: int,
                       mix: str = "policies") -> tuple[list[dict], list[RequestClass]]:
     """Bodies for /v1/completions and each one's class (of ``MIXES[mix]``), drawn with ``seed``
@@ -58,7 +65,7 @@ def make_mixed_bodies(model: str, num_requests: int, seed: int,
         bodies.append({"model": model, "prompt": prompt,
                        "max_tokens": c.max_tokens, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}, "ignore_eos": True,
-                       "priority": c.priority})
+                       "priority": c.priority, **slo_fields(c)})
         classes.append(c)
     return bodies, classes
 
