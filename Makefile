@@ -54,6 +54,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python -m minillm bench --quick
+	# rung 13: one batch of 4 adapters vs the base model alone vs each adapter's requests apart,
+	# and the cost of swapping an adapter into a slot (~2 min)
+	$(BIN)/python -m minillm.bench.lora --json figures/bench_lora.json
 
 # vLLM's CPU build as a peer, in its own .venv-vllm (made once, ~3 min; never in .venv), on the
 # cores minillm computes on: offline at concurrency caps 128 and 64, then both servers under the

@@ -13,6 +13,7 @@ and the swap cost: copying one adapter from host memory into a device slot.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-kernel", default="sgmv", choices=("sgmv", "bgmv"))
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", help="also write the numbers to this file")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -90,6 +92,15 @@ def main(argv: list[str] | None = None) -> None:
         s, n = r[name]
         print(f"  {name:>8}: {n / s:8.1f} output tok/s  ({s:.2f} s, {base * s / n:.2f}x base time)")
     print(f"  swap-in of one adapter ({r['adapter_mib']:.2f} MiB): {r['swap_ms']:.2f} ms")
+    if a.json:
+        setting = {k: getattr(a, k) for k in ("model", "adapters", "per_adapter", "max_tokens",
+                                              "rank", "lora_kernel")}
+        rows = {name: {"seconds": r[name][0], "output_tokens": r[name][1],
+                       "output_tok_s": r[name][1] / r[name][0]}
+                for name in ("base", "mixed", "separate")}
+        Path(a.json).write_text(json.dumps({**setting, "threads": torch.get_num_threads(),
+                                            **rows, "swap_ms": r["swap_ms"],
+                                            "adapter_mib": r["adapter_mib"]}, indent=2))
 
 
 if __name__ == "__main__":
