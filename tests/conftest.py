@@ -13,6 +13,14 @@ from minillm.lab.reference import Reference, assert_greedy_match, hf_greedy, ran
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(items):
+    """A test that loads the real SmolLM2 (the ``smol`` fixture) is slow by definition (the
+    marker's meaning in pyproject.toml): ``make test-fast`` runs the tiny random model only."""
+    for item in items:
+        if "smol" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     # fp32 on every device (CUDA would default to bf16): the near-tie tolerance of
@@ -23,6 +31,14 @@ def tiny():
 @pytest.fixture(scope="session")
 def smol():
     return load_model("smollm2-135m-instruct")
+
+
+def engine_params(names) -> list:
+    """Engine names as test parameters; the engines that start worker processes (pipeline,
+    tensor, disagg) are marked slow: ``make test-fast`` runs no multi-process test."""
+    from minillm.engines import REGISTRY
+    multi = {n for n, s in REGISTRY.items() if s.worker is not None} | {"disagg"}
+    return [pytest.param(n, marks=pytest.mark.slow) if n in multi else n for n in names]
 
 
 def drain(engine, finals: Counter | None = None, max_steps: int = 10_000) -> Counter:

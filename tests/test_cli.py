@@ -56,6 +56,7 @@ def test_generate_unknown_engine_fails_cleanly(tmp_path):
     assert r.returncode == 2 and "invalid choice: 'warp'" in r.stderr
 
 
+@pytest.mark.slow      # five engines in a subprocess (~15 s)
 def test_bench_tiny_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     r = run_cli("bench", "--model", "tiny-llama", "--engines", "naive,static,dynamic,paged",
@@ -240,6 +241,7 @@ SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminate
            (signal.SIGHUP, 129, "terminated (SIGHUP)")]
 
 
+@pytest.mark.slow      # a real subprocess per signal
 @pytest.mark.parametrize("signum,status,word", SIGNALS, ids=lambda v: str(v))
 def test_generate_signal_for_real(tmp_path, signum, status, word):
     """Ctrl-C, SIGTERM or SIGHUP to a running ``generate``: its exit status, every line answered
@@ -411,6 +413,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow      # pipeline worker processes
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker in /proc")
 def test_generate_pipeline_worker_killed_mid_run(tmp_path):
     """`generate --pipeline-parallel 2`, its rank-1 worker SIGKILLed once lines have finished:

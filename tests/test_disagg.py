@@ -24,6 +24,8 @@ from minillm.request import RequestError
 from test_pipeline import (ROOMY, TIGHT, assert_same_as_paged, reference, requests, samples,
                            shared_prefix_prompts)
 
+pytestmark = pytest.mark.slow      # two processes per engine: not in make test-fast
+
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
           SamplingParams(max_tokens=7, temperature=0.8, top_k=20, seed=4),
           SamplingParams(max_tokens=5, temperature=1.0, seed=9, ignore_eos=True)]

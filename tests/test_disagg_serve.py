@@ -17,6 +17,8 @@ from minillm import LLM, SamplingParams
 from minillm.lab.reference import random_prompts
 from serve_util import running_server, wait_until
 
+pytestmark = pytest.mark.slow      # a prefill worker process per server: not in make test-fast
+
 OPTIONS = dict(num_blocks=600, block_size=4, max_num_seqs=8)
 
 

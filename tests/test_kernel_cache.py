@@ -27,8 +27,9 @@ from minillm.core.attention.cpp_build import BUILDING, current_inputs, kernel_na
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = cpu_attention._SOURCE
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="looks for the build's processes in /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="looks for the build's processes in /proc"),
+              pytest.mark.slow]     # runs the C++ compiler: not in make test-fast
 
 
 def build_dir(root: Path) -> Path:

@@ -25,6 +25,8 @@ from minillm.engines.r7_pipeline.stage import EXIT_HOOK_ENV, split_layers
 from minillm.engines.r7_pipeline.timeline import KINDS, summarize
 from minillm.lab.reference import random_prompts
 
+pytestmark = pytest.mark.slow      # worker processes per engine: not in make test-fast
+
 ROOMY = dict(block_size=16, num_blocks=256)
 # Tight: 16 blocks of 4 tokens and 8 tokens a step force chunked prefill and preemption.
 TIGHT = dict(block_size=4, num_blocks=16, max_num_batched_tokens=8, enable_prefix_caching=True)

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import drain, random_prompts
+from conftest import drain, engine_params, random_prompts
 from minillm import LLM, FinishReason, Request, SamplingParams
 from minillm.engines import ENGINES, create_engine
 
@@ -107,7 +107,7 @@ def fail_after(n: int, exc: BaseException):
     return on_step
 
 
-@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("engine_name", engine_params(ENGINES))
 @pytest.mark.parametrize("exc", [Boom("callback failed"), KeyboardInterrupt()], ids=["boom", "ctrl-c"])
 def test_failed_run_leaves_engine_clean(tiny, engine_name, exc):
     prompts = random_prompts(4, seed=43)

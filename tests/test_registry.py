@@ -8,6 +8,7 @@ import pytest
 
 from minillm import LLM, FinishReason, SamplingParams
 from minillm.__main__ import build_parser, option_help
+from conftest import engine_params
 from minillm.engines import ENGINES, REGISTRY, all_options, create_engine, options_for
 
 
@@ -28,7 +29,7 @@ def test_options_come_from_constructors(tiny):
         create_engine("naive", tiny, runner=None)
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", engine_params(ENGINES))
 def test_capabilities_decide_what_is_served(tiny, name):
     spec = REGISTRY[name]
     out = LLM(tiny, engine=name).generate([[5, 6, 7]], SamplingParams(n=2, temperature=1, seed=0,

@@ -15,6 +15,8 @@ from minillm.__main__ import main
 from minillm.bench import compare
 from minillm.bench.client import RANDOM_IDS, make_bodies
 
+pytestmark = pytest.mark.slow      # servers started as processes: not in make test-fast
+
 
 def alive(pgid: int) -> bool:
     return bool(compare.group_members(pgid))

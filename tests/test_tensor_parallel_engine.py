@@ -22,6 +22,8 @@ from minillm.engines.r10_tensor.timeline import summarize
 from minillm.lab.reference import random_prompts
 from test_pipeline import ROOMY, TIGHT, assert_same_as_paged, requests, shared_prefix_prompts
 
+pytestmark = pytest.mark.slow      # worker processes per engine: not in make test-fast
+
 MIXED = [SamplingParams(max_tokens=8, ignore_eos=True),
          SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=3, ignore_eos=True),
          SamplingParams(max_tokens=5, beam_width=2, ignore_eos=True),

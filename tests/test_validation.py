@@ -7,6 +7,7 @@ import re
 import pytest
 
 from minillm import LLM, FinishReason, Request, SamplingParams
+from conftest import engine_params
 from minillm.engines import ENGINES
 
 
@@ -32,7 +33,7 @@ def test_unknown_engine_and_model(tiny):
         LLM(tiny, engine="paged", kv_cache_bytes=10)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", engine_params(ENGINES))
 def test_bad_requests_get_errors_others_complete(tiny, engine):
     too_long = [5] * tiny.max_model_len
     prompts = ["good one", "", [9999], too_long, "another good one"]
