@@ -25,7 +25,8 @@ WITHOUT_TRITON = r"""
 import importlib, pkgutil, sys
 sys.modules["triton"] = None
 import minillm
-skip = ("minillm.core.attention.triton.backend", "minillm.core.attention.triton.kernels")
+skip = ("minillm.core.attention.triton.backend", "minillm.core.attention.triton.kernels",
+        "minillm.engines.r13_lora.triton_bgmv")
 names = [m.name for m in pkgutil.walk_packages(minillm.__path__, "minillm.") if m.name not in skip]
 for name in names:
     importlib.import_module(name)
@@ -126,3 +127,11 @@ def test_everything_but_step4_runs_without_triton():
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("ok")
+
+
+def test_lora_kernel_triton_without_triton_is_an_error_naming_it(no_triton, tiny):
+    """Rung 13's Triton BGMV where Triton cannot be imported: refused when the engine is made,
+    naming the option, never mid-step."""
+    from minillm import LLM
+    with pytest.raises(ValueError, match="lora_kernel='triton' cannot run here"):
+        LLM(tiny, engine="paged", enable_lora=True, lora_kernel="triton")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ...core.config import check_bool, option, set_checked
 
-LORA_KERNELS = ("sgmv", "bgmv")
+LORA_KERNELS = ("sgmv", "bgmv", "triton")
 MAX_LORA_RANK = 256       # vLLM's largest supported rank as well
 
 
@@ -24,8 +24,9 @@ class LoRAConfig:
                                     "to it)")
     lora_kernel: str = option("sgmv", "lora: how each row's low-rank delta is computed: sgmv (the "
                                       "rows of each adapter together, one matmul pair per adapter "
-                                      "present) or bgmv (each row gathers its slot's A and B, one "
-                                      "batched matmul)")
+                                      "present), bgmv (each row gathers its slot's A and B, one "
+                                      "batched matmul) or triton (bgmv as one Triton kernel "
+                                      "reading A and B in place; the interpreter on a CPU)")
 
     def __post_init__(self):
         check_bool("enable_lora", self.enable_lora)

@@ -38,6 +38,12 @@ class LoRARunner(ModelRunner):
         self.shapes = net_shapes(self.net)
         self.slots = LoRASlots(self.shapes, len(self.net.layers), config.max_loras,
                                config.max_lora_rank, self.device, model.dtype)
+        if config.lora_kernel == "triton":     # where Triton cannot run: an error naming why, now
+            from ...core.attention.triton import TritonUnavailableError, require_triton
+            try:
+                require_triton()
+            except TritonUnavailableError as e:
+                raise ValueError(f"lora_kernel='triton' cannot run here: {e}") from None
         self.batch = LoRABatch(config.lora_kernel, self.slots)
         self.net = wrap_model(self.net, self.slots, self.batch)
 

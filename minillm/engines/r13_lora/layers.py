@@ -46,6 +46,9 @@ class LoRABatch:
         A, B = self.slots.A[layer, module], self.slots.B[layer, module]
         if self.kernel == "bgmv":
             bgmv(y, x, A, B, self.rows, self.row_slots - 1)
+        elif self.kernel == "triton":
+            from .triton_bgmv import triton_bgmv     # imports triton: only when chosen
+            triton_bgmv(y, x, A, B, self.rows, self.row_slots - 1)
         else:
             live = self.slots.live[module]
             sgmv(y, x, A, B, [(s - 1, r) for s, r in self.segments if s in live])
