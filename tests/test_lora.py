@@ -192,3 +192,26 @@ def test_bad_tensors_and_requests_are_refused(tiny, adapters, tmp_path):
         LoRAConfig(enable_lora=True, max_loras=0)
     with pytest.raises(ValueError, match="lora_path"):
         LoRARequest("x", 1)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_adapters_compose_with_a_quantized_kv_cache(tiny, adapters, kv):
+    """Rung 9's narrow KV slots under rung 13: an adapter's requests equal the paged engine on
+    the merged model with the same KV format (the deltas reach K and V before they are stored)."""
+    prompts, params = random_prompts(4, seed=11), SamplingParams(max_tokens=10, ignore_eos=True)
+    lora, merged = adapters["all"]
+    mine = lora_llm(tiny, kv_cache_dtype=kv).generate(prompts, params, lora_request=lora)
+    ref = LLM(merged, engine="paged", kv_cache_dtype=kv).generate(prompts, params)
+    assert [o.token_ids for o in mine] == [o.token_ids for o in ref]
+
+
+def test_adapters_run_on_a_bf16_model(tiny, adapters):
+    """bf16 weights and activations (the dtype people serve in): adapters load in the model's
+    dtype, every request ends, and the adapter changes the tokens."""
+    from minillm import load_model
+    llm = lora_llm(load_model("tiny-llama", dtype=torch.bfloat16))
+    prompts, params = random_prompts(4, seed=12), SamplingParams(max_tokens=8, ignore_eos=True)
+    with_lora = llm.generate(prompts, params, lora_request=adapters["all"][0])
+    base = llm.generate(prompts, params)
+    assert all(o.error is None and len(o.token_ids) == 8 for o in with_lora + base)
+    assert [o.token_ids for o in with_lora] != [o.token_ids for o in base]
