@@ -109,3 +109,40 @@ def test_generate_jsonl_lines_name_their_adapter(tiny, modules, tmp_path):
         out = llm.generate([prompt], params, lora_request=modules.get(lora))[0]
         assert rows[key]["token_ids"] == out.token_ids, key
     assert set(rows["bias"]["token_ids"]) == {7}
+
+
+def test_a_served_mixed_batch_equals_hugging_face_on_each_merged_model(tiny, tmp_path):
+    """Issue 43's check, served: the base model and three adapters of different ranks and
+    target modules, two slots, requests sent at once (they share steps); each answer equals
+    Hugging Face ``generate`` on that adapter's merged model (fp32, token for token, or a proven
+    near-tie)."""
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import assert_greedy_match, hf_greedy, random_prompts
+    from minillm.engines.r13_lora.peft_files import merged_model, read_adapter
+    from test_lora import ADAPTERS
+
+    loras, models = {}, {None: tiny}
+    for seed, (name, (r, targets, rslora)) in enumerate(ADAPTERS.items()):
+        loras[name] = LoRARequest(name, str(save_random_adapter(
+            tmp_path / name, tiny.hf_model, r=r, lora_alpha=2 * r, targets=targets,
+            use_rslora=rslora, seed=seed)))
+        models[name] = dataclasses.replace(
+            tiny, hf_model=merged_model(tiny.hf_model, read_adapter(loras[name], tiny.hf_model)))
+    names = [None, *ADAPTERS] * 2
+    prompts = random_prompts(len(names), seed=21, hi=24)
+    llm = LLM(tiny, engine="paged", enable_lora=True, max_lora_rank=8, max_loras=2)
+    with running_server(llm, lora_modules=loras) as (base, app):
+        served = app.state.model_name
+        ask = lambda i: post(base, "/v1/completions", {
+            "model": names[i] or served, "prompt": prompts[i], "max_tokens": 8,
+            "ignore_eos": True, "temperature": 0, "return_token_ids": True})
+        with ThreadPoolExecutor(len(names)) as pool:
+            answers = list(pool.map(ask, range(len(names))))
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        assert llm.engine.describe()["lora_evictions"] >= 1     # three adapters, two slots
+    for i, (status, body) in enumerate(answers):
+        assert status == 200, body
+        assert_greedy_match(body["choices"][0]["token_ids"], hf_greedy(models[names[i]], prompts[i], 8),
+                            label=str(names[i]))
