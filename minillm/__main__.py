@@ -158,7 +158,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, engine=args.engine, dtype=args.dtype, threads=args.threads,
                   **options)
-        adapters = load_adapters(llm, parse_lora_modules(args.lora_modules), "")
+        adapters = load_adapters(llm, parse_lora_modules(args.lora_modules))
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         return fail(str(e))
     outputs, metrics, failure, interrupt = {}, None, None, None

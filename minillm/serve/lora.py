@@ -27,10 +27,11 @@ def parse_lora_modules(items: list[str] | None) -> dict:
     return modules
 
 
-def load_adapters(llm, modules: dict, served: str) -> dict:
+def load_adapters(llm, modules: dict, served: str | None = None) -> dict:
     """Read each adapter into the engine's host memory now (``Engine.add_lora``): a bad adapter,
-    or an engine without ``enable_lora``, is a ValueError before the server listens."""
-    if served in modules:
+    or an engine without ``enable_lora``, is a ValueError before the server listens (or before
+    ``generate`` reads a line). ``served``: the base model's name, which no adapter may take."""
+    if served is not None and served in modules:
         raise ValueError(f"--lora-modules: {served!r} is the base model's name")
     for lora in modules.values():
         llm.engine.add_lora(lora)
