@@ -31,7 +31,9 @@ choose_triton_mode()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-KNOWN_MODELS = (DEFAULT_MODEL, "tiny-llama")
+# "smollm2-random": SmolLM2-135M's shapes with random weights and a byte tokenizer -- the same
+# speed as the real model where its weights cannot travel (a lent GPU machine: minillm.gpu_check).
+KNOWN_MODELS = (DEFAULT_MODEL, "tiny-llama", "smollm2-random")
 
 
 @dataclass
@@ -155,6 +157,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str | torch.device | N
     dtype = resolve_dtype(dtype, device)
     if name_or_path == "tiny-llama":
         model, tok = _tiny_llama()
+    elif name_or_path == "smollm2-random":
+        model, tok = _random_smollm2()
     elif name_or_path == DEFAULT_MODEL:
         model, tok = _load_hf_dir(ensure_smollm2_cache(), dtype)
     elif Path(name_or_path).is_dir():
@@ -248,6 +252,23 @@ def _tiny_llama():
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    config._attn_implementation = "sdpa"
+    return model, ByteTokenizer(config.vocab_size)
+
+
+def _random_smollm2():
+    """SmolLM2-135M's configuration (config.json of the GGUF's conversion) with random weights:
+    every shape, hence every kernel and its time, as the real model's; the tokens mean nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)

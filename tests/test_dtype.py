@@ -73,7 +73,7 @@ def test_every_engine_runs_a_bf16_model(tiny_bf16, engine, options):
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model.hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        return model.hf_model(torch.tensor([ids], device=model.device)).logits[0].float().log_softmax(-1)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", pytest.param("smollm2-135m-instruct",

@@ -102,7 +102,7 @@ def test_the_engine_option_chooses_the_ops_and_refuses_what_cannot_run(tiny):
     from minillm import LLM, SamplingParams
     from minillm.models import load_model
 
-    model = load_model("tiny-llama", dtype=torch.bfloat16)
+    model = load_model("tiny-llama", dtype=torch.bfloat16, device="cpu")   # the CPU's fused ops
     prompts = [[5, 6, 7, 8], [9, 10, 11], [3] * 12]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outs = {}

@@ -238,6 +238,8 @@ def test_speculative_decoding_accepts_a_quantized_cache_unchanged(tiny64, specul
 
 
 def test_pipeline_stages_store_their_kv_in_the_chosen_format(tiny64):
+    if tiny64.device.type == "cuda":
+        pytest.skip("on GPUs pipeline stages are one process per GPU (torchrun), not spawned")
     from minillm.engines.r7_pipeline.engine import PipelineEngine
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 30)]
     params = [SamplingParams(max_tokens=12, ignore_eos=True),

@@ -19,7 +19,7 @@ TOL = 1e-4
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab]: row j is the distribution of token j + 1 (Hugging Face, fp32)."""
     with torch.no_grad():
-        return torch.log_softmax(model.hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        return torch.log_softmax(model.hf_model(torch.tensor([ids], device=model.device)).logits[0].float(), -1)
 
 
 def check_entries(ref: torch.Tensor, ids: list[int], entries: list, first: int, k: int) -> None:

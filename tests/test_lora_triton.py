@@ -25,17 +25,18 @@ from minillm.engines.r13_lora.triton_bgmv import triton_bgmv  # noqa: E402
 @pytest.mark.parametrize("rank,k,n", [(8, 64, 96), (3, 100, 70), (16, 130, 64)])
 def test_each_row_gets_its_slot_s_delta(dtype, tol, rank, k, n):
     g = torch.Generator().manual_seed(rank * k + n)
-    A = torch.randn(3, rank, k, generator=g).to(dtype)
-    B = torch.randn(3, n, rank, generator=g).to(dtype)
-    x = torch.randn(7, k, generator=g).to(dtype)
-    y0 = torch.randn(7, n, generator=g).to(dtype)
-    rows, idx = torch.tensor([0, 2, 3, 6]), torch.tensor([2, 0, 2, 1])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # native kernels on a GPU
+    A = torch.randn(3, rank, k, generator=g).to(dev, dtype)
+    B = torch.randn(3, n, rank, generator=g).to(dev, dtype)
+    x = torch.randn(7, k, generator=g).to(dev, dtype)
+    y0 = torch.randn(7, n, generator=g).to(dev, dtype)
+    rows, idx = torch.tensor([0, 2, 3, 6], device=dev), torch.tensor([2, 0, 2, 1], device=dev)
     y = triton_bgmv(y0.clone(), x, A, B, rows, idx)
     want = y0.float().clone()
     want[rows] += delta_reference(x[rows].float(), A.float(), B.float(), idx)
     scale = want.abs().max()
     assert (y.float() - want).abs().max() <= tol * scale
-    others = torch.tensor([1, 4, 5])
+    others = torch.tensor([1, 4, 5], device=dev)
     assert torch.equal(y[others], y0[others]), "rows without an adapter changed"
 
 

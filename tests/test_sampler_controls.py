@@ -74,7 +74,7 @@ def test_repetition_penalty_equals_hugging_face(prompt, output, penalty, seed):
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed))
     p = SamplingParams(repetition_penalty=penalty)
     _, got = apply_controls(logits, [p], [(prompt, output)]) if penalty != 1 else ([], logits)
-    seen = torch.tensor([prompt + output or [0]])
+    seen = torch.tensor([prompt + output or [0]], device=logits.device)
     want = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits.clone()) if prompt + output \
         else logits
     torch.testing.assert_close(got, want)
@@ -120,7 +120,7 @@ def test_penalties_change_greedy_output_as_the_reference_says(tiny):
     out = llm.generate([prompt], p)[0].token_ids
     for i, token in enumerate(out):
         with torch.no_grad():
-            logits = tiny.hf_model(torch.tensor([prompt + out[:i]])).logits[0, -1]
+            logits = tiny.hf_model(torch.tensor([prompt + out[:i]], device=tiny.device)).logits[0, -1]
         assert reference(logits, p, prompt, out[:i], frozenset()).argmax().item() == token
 
 

@@ -37,7 +37,7 @@ def prefill(model, ids: list[int], kv_cache_dtype: str = "auto", backend=None
     0, 1, ... in order). Returns the runner (its pool holds the K/V) and the final hidden states."""
     n = len(ids)
     nblocks = -(-n // BLOCK_SIZE)
-    backend = backend or get_attention_backend(None, model.device)
+    backend = backend or get_attention_backend(None, model.device, model.dtype)
     runner = ModelRunner(model, nblocks, BLOCK_SIZE, backend,
                          kv_format=get_format(kv_cache_dtype))
     dev = model.device

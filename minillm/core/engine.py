@@ -83,7 +83,7 @@ class PagedEngine(Engine):
                                    self.observers.emit, make_controller(limits))
         if runner is None:   # every option is checked by now: the KV pool is allocated last
             backend = backend or get_attention_backend(self.model_config.attention_backend,
-                                                       model.device)
+                                                       model.device, model.dtype)
             runner = self.make_runner(block_manager.num_blocks, cache.block_size, backend)
         self.backend = backend   # (None when a runner was given without one)
         self.runner, self.sampler = runner, sampler or Sampler(self.eos_ids)

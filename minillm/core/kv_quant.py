@@ -80,7 +80,11 @@ def quantize(x: torch.Tensor, fmt: KVCacheFormat) -> tuple[torch.Tensor, torch.T
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     # (a row so tiny that amax / qmax underflows gets the smallest normal scale: it reads as 0)
-    scale = torch.where(amax > 0, amax / fmt.qmax, torch.ones_like(amax)).clamp_(
+    # Divided by a tensor, not the number: CUDA divides a tensor by a scalar as a multiply by
+    # its reciprocal, one ulp off IEEE in half the rows, and then codes one step off the Triton
+    # store's ``div_rn`` (seen on an H200, bf16 K/V into fp8: python -m minillm.gpu_check)
+    qmax = torch.full_like(amax, fmt.qmax)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).clamp_(
         min=torch.finfo(torch.float32).tiny)
     y = xf / scale[..., None]
     if fmt.storage == torch.int8:

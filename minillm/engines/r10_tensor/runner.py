@@ -100,7 +100,7 @@ def run_tensor_worker(comm: Comm, net: PagedLlama) -> None:
     config: TensorStageConfig = comm.recv_object(0, what=None)
     all_reduce = AllReduce(config.all_reduce)
     connect_stage(all_reduce, comm, config.tensor_parallel_size)
-    backend = get_attention_backend(config.attention_backend, comm.device)
+    backend = get_attention_backend(config.attention_backend, comm.device, net.embed.dtype)
     runner = TensorStageRunner(net, comm.rank, config, backend, comm.device, net.embed.dtype,
                                all_reduce)
     serve(comm, runner)

@@ -85,5 +85,6 @@ def merged_model(hf_model, adapter: LoRAAdapter):
     merged = copy.deepcopy(hf_model)
     for (layer, module), (a, b) in adapter.weights.items():
         w = merged.get_submodule(module_key(layer, module)).weight
-        w.copy_((w.double() + adapter.scale * (b.double() @ a.double())).to(w.dtype))
+        delta = (b.double() @ a.double()).to(w.device)   # adapters load on the CPU
+        w.copy_((w.double() + adapter.scale * delta).to(w.dtype))
     return merged

@@ -17,7 +17,7 @@ def run_worker(comm: Comm, net: PagedLlama) -> None:
     from .. import get_attention_backend
 
     config: StageConfig = comm.recv_object(0, what=None)
-    backend = get_attention_backend(config.attention_backend, comm.device)
+    backend = get_attention_backend(config.attention_backend, comm.device, net.embed.dtype)
     runner = StageRunner(net, comm.rank, config, backend, comm.device, net.embed.dtype)
     serve(comm, runner)
     comm.close()

@@ -1,0 +1,58 @@
+"""``python -m minillm.gpu_check``: the one command a session lent a GPU runs. Its timings need
+the GPU; what can be checked here is its plumbing, its arithmetic and the model it times."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minillm import gpu_check
+
+
+def test_without_cuda_it_refuses_unless_asked_for_a_dry_run(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("there is a GPU here")
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "--allow-cpu" in capsys.readouterr().err
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(a, b, dev=cuda):
+        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=a, end=b))
+    # overlapping 0-100 and 50-150, nested 60-70, a gap, 200-300, and a CPU op spanning all
+    prof = SimpleNamespace(events=lambda: [ev(50, 150), ev(0, 100), ev(60, 70), ev(200, 300),
+                                           ev(0, 1000, cpu)])
+    assert gpu_check.busy_ms(prof) == pytest.approx(0.25)     # 250 us
+
+
+def test_an_unknown_part_is_an_error_naming_it_before_any_part_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--allow-cpu", "--out", str(tmp_path), "--parts", "tests,gpus"])
+    assert "unknown part 'gpus'" in capsys.readouterr().err
+    assert not (tmp_path / "tests.log").exists()
+
+
+def test_dry_run_of_the_profile_part_writes_its_table(tmp_path, capsys):
+    assert gpu_check.main(["--allow-cpu", "--model", "tiny-llama", "--dtype", "float32",
+                           "--attention-backend", "torch", "--parts", "profile",
+                           "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "profile.json").read_text())
+    assert [r["rows"] for r in rows] == list(gpu_check.PROFILE_ROWS)
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert "| profile | 0 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow   # reads the real SmolLM2's configuration (make setup converts its GGUF)
+def test_smollm2_random_has_the_real_model_s_shapes():
+    from minillm.models import ensure_smollm2_cache, load_model
+    real = json.loads((ensure_smollm2_cache() / "config.json").read_text())
+    model = load_model("smollm2-random", dtype=torch.float32, device="cpu")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(model.config, key) == real[key], key
+    assert model.config.rope_parameters["rope_theta"] == real["rope_parameters"]["rope_theta"]
