@@ -234,3 +234,35 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> None:
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def mask_guessed_rows(logits: torch.Tensor, matcher, guesses: list[int]) -> None:
+    """Speculative decoding under a grammar (rung 6): row ``i`` of ``logits`` [1 + k, vocab] is
+    the target's distribution after ``guesses[:i]``, so it is masked with the grammar's state
+    after those guesses. The matcher walks the guesses, then rolls back to where it stood: the
+    commit advances it by the tokens actually kept. A guess the grammar refuses (or a complete
+    grammar) ends the walk: the rows after it are never read, since the acceptance rule stops
+    at that guess -- which its masked row cannot choose -- and keeps the target's own token."""
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    rows, walked = [], 0
+    for i in range(logits.shape[0]):
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, i)
+        rows.append(i)
+        if i == len(guesses) or not _allowed(bitmask, i, guesses[i]) \
+                or not matcher.accept_token(guesses[i]):
+            break
+        walked += 1
+    if walked:
+        matcher.rollback(walked)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    """Does ``row`` of a filled bitmask (32 tokens per int32) allow ``token``? Asked before
+    ``accept_token``, which would log a warning for every refused guess."""
+    if not 0 <= token < bitmask.shape[1] * 32:
+        return False
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)

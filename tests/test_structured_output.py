@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from minillm import LLM, SamplingParams
 from minillm.request import Request, RequestError
@@ -169,9 +170,47 @@ def test_combinations_that_cannot_work_are_refused(tiny):
         SamplingParams(beam_width=2, structured_outputs=SO(choice=["a"]))
     with pytest.raises(ValueError, match="min_tokens=2 cannot be combined"):
         SamplingParams(min_tokens=2, structured_outputs=SO(choice=["a"]))
-    with pytest.raises(RequestError, match="structured_outputs=.* is not supported by engine"):
-        LLM(tiny, engine="paged+ngram").engine.validate(
-            Request([1, 2, 3], SamplingParams(structured_outputs=SO(choice=["a"]))))
+
+
+def test_guessed_rows_are_masked_by_the_state_after_the_guesses_before(tiny):
+    """Row i of a speculating sequence's logits is masked as plain decoding would mask it after
+    guesses[:i]; a guess the grammar refuses ends the walk (the rows after it stay untouched);
+    the matcher is where it stood afterwards (the commit advances it by what is kept)."""
+    import xgrammar as xgr
+    from minillm.structured import mask_guessed_rows
+    compiled = compiler_for(tiny.tokenizer, tiny.config.vocab_size, tiny.eos_token_ids).compile(
+        SO(choice=["abc", "abd"]))
+    matcher = xgr.GrammarMatcher(compiled)
+    tok = {ch: tiny.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abcdx"}
+    logits = torch.zeros(4, tiny.config.vocab_size)
+    mask_guessed_rows(logits, matcher, [tok["a"], tok["b"], tok["x"]])
+    allowed = [set((row > float("-inf")).nonzero().flatten().tolist()) for row in logits]
+    assert allowed[0] == {tok["a"]} and allowed[1] == {tok["b"]}
+    assert allowed[2] == {tok["c"], tok["d"]}          # "x" is refused here: the walk ends
+    assert len(allowed[3]) == tiny.config.vocab_size   # never read: left as it was
+    again = torch.zeros(1, tiny.config.vocab_size)
+    mask_guessed_rows(again, matcher, [])
+    assert set((again[0] > float("-inf")).nonzero().flatten().tolist()) == {tok["a"]}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=3)])
+def test_speculative_decoding_verifies_its_guesses_under_the_mask(tiny, paged, method, sampling):
+    """Rung 6 under a grammar: greedy and seeded tokens equal the paged engine's (each guessed
+    position masked, the matcher rolled back past rejected guesses), every output validates,
+    guesses were made (the n-gram's often kept; the random draft's all refused by the grammar),
+    and the pool returns to full."""
+    schema = SCHEMAS["list_of_objects"]
+    params = json_params(schema, max_tokens=120, **sampling)
+    want = paged.generate(PROMPTS, params)
+    spec = LLM(tiny, engine=f"paged+{method}")
+    got = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for out in got:
+        check_json(out, schema)
+    stats = spec.engine.run_stats
+    assert stats.num_proposed > 0 and (stats.num_accepted > 0 or method == "draft"), stats
+    assert_pool_full(spec)
 
 
 def test_the_server_takes_response_format_and_structured_outputs(tiny):

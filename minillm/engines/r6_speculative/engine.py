@@ -23,7 +23,8 @@ import torch
 from ...core.engine import PagedEngine
 from ...core.sequence import Sequence
 from ...request import Request, SpecStats, stop_reason
-from ...sampling_params import CONTROL_FIELDS, LOGPROB_FIELDS, STRUCTURED_FIELDS
+from ...sampling_params import CONTROL_FIELDS, LOGPROB_FIELDS
+from ...structured import mask_guessed_rows, row_matcher
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .rejection import accept
@@ -33,10 +34,10 @@ from .trace import Verification
 class SpeculativeEngine(PagedEngine):
     name = "paged+spec"
     configs = PagedEngine.configs + (SpeculativeConfig,)
-    # verify() judges guesses by the raw distribution, and the proposers draw without the
-    # controls or a grammar's mask: both would have to apply them per guessed position, the
-    # grammar rolled back past rejected guesses (not done here)
-    refuses = frozenset(CONTROL_FIELDS + LOGPROB_FIELDS + STRUCTURED_FIELDS)
+    # verify() judges guesses by the raw distribution (but for a grammar's mask, applied per
+    # guessed position: ``_verify``); the sampler's controls and logprobs would need the same
+    # per position (not done here)
+    refuses = frozenset(CONTROL_FIELDS + LOGPROB_FIELDS)
 
     def __init__(self, model, *, proposer: Proposer | None = None, **options):
         """``options``: the paged engine's and ``SpeculativeConfig``'s, flat:
@@ -97,6 +98,9 @@ class SpeculativeEngine(PagedEngine):
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         guesses, n_before = seq.spec_token_ids, seq.num_tokens
+        matcher = row_matcher(seq.request, seq.sample_id)
+        if matcher is not None:       # structured output: each row masked as plain decoding would
+            mask_guessed_rows(logits, matcher, guesses)
         kept = accept(guesses, self.proposer.proposal_probs(seq), logits, seq.request.params,
                       n_before - seq.prompt_len, seq.sample_id)
         kept = self._until_stop(seq, kept, n_before)
