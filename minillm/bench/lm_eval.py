@@ -1,6 +1,6 @@
-"""lm-evaluation-harness against ``minillm serve``, beside Hugging Face on the same task (issue 44,
-"checked from outside"; the serving rung, docs/SERVING.md): ``python -m minillm.bench.lm_eval``,
-``make eval``.
+"""lm-evaluation-harness against ``minillm serve``, beside lm-eval's own Hugging Face backend on
+the same tasks (issue 44, "checked from outside"; the serving rung, docs/SERVING.md):
+``python -m minillm.bench.lm_eval``, ``make eval``.
 
 Two small tasks ship with the package (``minillm/data/lm_eval/``: a JSONL and a task YAML each,
 so nothing comes from a hub): ``minillm_facts_mc``, multiple choice scored by log-likelihood,
@@ -11,14 +11,15 @@ the chat template (``local-chat-completions``), the last number compared with th
 lm-eval pins its own dependencies, so it never goes into the project's environment:
 ``ensure_venv`` makes ``.venv-lmeval`` beside it (once), as ``vllm_peer`` does for vLLM. The
 script starts ``python -m minillm serve`` (SmolLM2, fp32) on a free port, runs lm-eval on both
-tasks, stops the server, then scores the same tasks with transformers directly (the model's own
-log-softmax over the same token ids; ``generate`` greedy on the same chat) and compares them
-item by item: the per-choice log-likelihoods, the greedy flags, the generated texts.
+tasks, stops the server, then runs lm-eval again on the same tasks with ``--model hf`` (the same
+SmolLM2 as a plain Hugging Face directory, fp32 on the CPU, the same torch thread count as the
+server's, ``--apply_chat_template`` for the generation task as ``local-chat-completions``
+implies), and compares the two runs' samples item by item (``lm_eval_compare``): the
+per-choice log-likelihoods, the greedy flags, the generated texts.
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -32,12 +33,15 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from .lm_eval_compare import compare, print_table, read_output
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-lmeval"
 LM_EVAL = "lm-eval[api]==0.4.13"      # pinned: its request shapes are what this file mirrors
 TASK_DIR = Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 MC_TASK, GEN_TASK = "minillm_facts_mc", "minillm_arith_gen"
 MODEL = "smollm2-135m-instruct"
+CHAT = "--apply_chat_template"      # the generation task's, on both sides
 
 
 # --- the tasks, as the YAML files describe them ----------------------------------------------------
@@ -66,101 +70,44 @@ def last_number(text: str) -> str:
     return found[-1].strip() if found else "[invalid]"
 
 
-# --- the reference: Hugging Face transformers directly ---------------------------------------------
-def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval's split of a (context, continuation) into token ids: trailing spaces move to the
-    continuation, the whole is encoded once (no special tokens) and cut after the context's
-    tokens, so a token that spans the boundary is not split differently on the two sides."""
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces:
-        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-    n_context = len(tokenizer.encode(context, add_special_tokens=False))
-    return whole[:n_context], whole[n_context:]
-
-
-def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-    """The continuation's log-likelihood after the context, and whether greedy decoding would
-    produce it: the fp32 log-softmax of one forward over ``context + continuation``."""
-    import torch
-
-    ids = torch.tensor([context + continuation])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(context) - 1:-1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    target = torch.tensor(continuation)
-    total = logprobs.gather(1, target[:, None]).sum().item()
-    return total, bool((logprobs.argmax(-1) == target).all())
-
-
-def hf_generate(model, tokenizer, messages: list[dict], max_tokens: int, until: list[str]) -> str:
-    """Greedy answer to a chat through the model's own chat template, cut at the first stop."""
-    import torch
-
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)["input_ids"]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                             do_sample=False, max_new_tokens=max_tokens,
-                             pad_token_id=tokenizer.eos_token_id)
-    text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-    for stop in until:
-        text = text.split(stop)[0]
-    return text
-
-
-def hf_scores(model_dir: Path, limit: int | None) -> dict:
-    """Both tasks scored with transformers: per choice (context, continuation, log-likelihood,
-    greedy) and per question the answer, as lm-eval would score them."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = task_config(MC_TASK)
-    mc = []
-    for doc in task_docs(MC_TASK)[:limit]:
-        context = render(cfg["doc_to_text"], doc)
-        lls = [hf_loglikelihood(model, *encode_pair(tok, context, " " + c)) for c in doc["choices"]]
-        mc.append({"context": context, "choices": doc["choices"],
-                   "answer": doc["answer"], "ll": [ll for ll, _ in lls],
-                   "greedy": [g for _, g in lls]})
-    gen_cfg = task_config(GEN_TASK)
-    kw = gen_cfg["generation_kwargs"]
-    gen = []
-    for doc in task_docs(GEN_TASK)[:limit]:
-        messages = [{"role": "user", "content": render(gen_cfg["doc_to_text"], doc)}]
-        text = hf_generate(model, tok, messages, kw["max_gen_toks"], kw["until"])
-        gen.append({"messages": messages, "text": text, "target": doc["answer"]})
-    return {"mc": mc, "gen": gen}
-
-
-def mc_metrics(lls: list[list[float]], choices: list[list[str]], answers: list[int]) -> dict:
-    """lm-eval's ``acc`` (the most likely choice) and ``acc_norm`` (per character)."""
-    def argmax(xs):
-        return max(range(len(xs)), key=xs.__getitem__)
-    acc = [argmax(ll) == a for ll, a in zip(lls, answers)]
-    norm = [argmax([v / len(c) for v, c in zip(ll, cs)]) == a
-            for ll, cs, a in zip(lls, choices, answers)]
-    return {"acc": sum(acc) / len(acc), "acc_norm": sum(norm) / len(norm)}
-
-
 # --- lm-eval in its own environment ----------------------------------------------------------------
 def venv_python() -> Path:
     return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def torch_requirement() -> str:
+    """The project's torch as a pip requirement: ``torch==2.13.0`` for a running ``2.13.0+cpu``.
+    Without the local label it matches every build of that version, and pip takes the one its
+    index offers (on the lab machines the CPU wheel on disk, as ``make setup``'s ``TORCH``)."""
+    import torch
+
+    return "torch==" + torch.__version__.split("+")[0]
+
+
 def ensure_venv() -> Path:
-    """``.venv-lmeval`` with lm-eval's API extra (no torch: it only sends requests; transformers
-    for the tokenizer ``local-completions`` counts context tokens with), made once."""
+    """``.venv-lmeval`` with lm-eval's API extra, transformers (the tokenizer ``local-completions``
+    counts context tokens with), and torch + accelerate: lm-eval's ``--model hf`` backend imports
+    both. torch is the project's own version, so that the HF side computes with the same kernels
+    as the server does (and pip keeps the CPU build the index has). Made once."""
     py = venv_python()
-    if py.exists() and subprocess.run([str(py), "-c", "import lm_eval, transformers"],
-                                      capture_output=True).returncode == 0:
+    if py.exists() and subprocess.run([str(py), "-c", "import lm_eval, transformers, torch, "
+                                       "accelerate"], capture_output=True).returncode == 0:
         return py
-    print(f"[minillm] installing {LM_EVAL} into {VENV} (once, ~2 min)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", LM_EVAL, "transformers"], check=True)
+    print(f"[minillm] installing {LM_EVAL} and {torch_requirement()} into {VENV} (once, ~3 min)",
+          flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", LM_EVAL, "transformers",
+                    torch_requirement(), "accelerate"], check=True)
     return py
+
+
+def engine_threads() -> int:
+    """The torch threads ``minillm serve`` computes on by default (``serve/cli.py``): given to the
+    server explicitly and to the HF side's process (``OMP_NUM_THREADS``), so both use as many."""
+    import torch
+
+    return max(1, min(torch.get_num_threads(), 8))
 
 
 def free_port() -> int:
@@ -207,85 +154,60 @@ def healthy(url: str) -> bool:
 
 
 def run_lm_eval(py: Path, model: str, args: str, task: str, out: Path, limit: int | None,
-                timeout_s: float, chat: bool) -> tuple[dict, list[dict]]:
-    """One lm-eval run of ``task`` (offline: the data is local); its results and its samples."""
+                timeout_s: float, flags: list[str], env: dict | None = None
+                ) -> tuple[dict, list[dict]]:
+    """One lm-eval run of ``task`` (offline: the data is local), one request or sequence at a
+    time on both sides (``--batch_size 1``; the served side keeps ``num_concurrent`` in flight,
+    which the server batches); its results and its samples."""
     cmd = [str(py), "-m", "lm_eval", "--model", model, "--model_args", args, "--tasks", task,
-           "--include_path", str(TASK_DIR), "--log_samples", "--output_path", str(out)]
-    cmd += ["--apply_chat_template"] if chat else []
+           "--include_path", str(TASK_DIR), "--batch_size", "1", "--log_samples",
+           "--output_path", str(out)]
+    cmd += flags
     cmd += ["--limit", str(limit)] if limit else []
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    print(f"[minillm] lm_eval --model {model} --tasks {task}", flush=True)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+           **(env or {})}
+    print(f"[minillm] lm_eval --model {model} --tasks {task}", end="", flush=True)
+    t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=TASK_DIR, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
+    print(f": {time.perf_counter() - t0:.0f} s", flush=True)
     if done.returncode:
         raise RuntimeError(f"lm_eval failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    results = json.loads(Path(glob.glob(f"{out}/**/results_*.json", recursive=True)[0]).read_text())
-    samples = Path(glob.glob(f"{out}/**/samples_{task}_*.jsonl", recursive=True)[0])
-    return results["results"][task], [json.loads(s) for s in samples.read_text().splitlines()]
+    return read_output(out, task)
 
 
-def lm_eval_runs(py: Path, tokenizer_dir: Path, limit: int | None, concurrent: int,
-                 timeout_s: float, work: Path) -> dict:
+def served_runs(py: Path, tokenizer_dir: Path, limit: int | None, concurrent: int,
+                threads: int, timeout_s: float, work: Path) -> dict:
     """Both tasks through ``minillm serve``: log-likelihood over ``/v1/completions`` (token ids,
     counted with the model's own tokenizer), generation over ``/v1/chat/completions``."""
-    with served(work / "server.log", timeout_s, []) as url:
+    with served(work / "server.log", timeout_s, ["--threads", str(threads)]) as url:
         common = f"model={MODEL},num_concurrent={concurrent},max_retries=1,timeout={int(timeout_s)}"
         mc = run_lm_eval(py, "local-completions",
                          f"{common},base_url={url}/v1/completions,tokenizer_backend=huggingface,"
-                         f"tokenizer={tokenizer_dir}", MC_TASK, work / "mc", limit, timeout_s,
-                         chat=False)
+                         f"tokenizer={tokenizer_dir}", MC_TASK, work / "mc", limit, timeout_s, [])
         gen = run_lm_eval(py, "local-chat-completions",
                           f"{common},base_url={url}/v1/chat/completions", GEN_TASK, work / "gen",
-                          limit, timeout_s, chat=True)
-    return {"mc": mc, "gen": gen}
+                          limit, timeout_s, [CHAT])
+    return {MC_TASK: mc, GEN_TASK: gen}
 
 
-# --- side by side ----------------------------------------------------------------------------------
-def compare(served_runs: dict, hf: dict) -> dict:
-    """Scores both ways and item-by-item differences (lm-eval's samples are in document order)."""
-    (mc_res, mc_samples), (gen_res, gen_samples) = served_runs["mc"], served_runs["gen"]
-    mc_samples = sorted(mc_samples, key=lambda s: s["doc_id"])
-    gen_samples = sorted(gen_samples, key=lambda s: s["doc_id"])
-    lls = [[float(r[0][0]) for r in s["resps"]] for s in mc_samples]
-    greedy = [[r[0][1] == "True" for r in s["resps"]] for s in mc_samples]
-    hf_mc = hf["mc"][:len(mc_samples)]
-    same_args = all(a["arg_0"] == h["context"] and a["arg_1"] == " " + c
-                    for s, h in zip(mc_samples, hf_mc)
-                    for a, c in zip(s["arguments"].values(), h["choices"]))
-    diffs = [abs(a - b) for s, h in zip(lls, hf_mc) for a, b in zip(s, h["ll"])]
-    texts = [s["resps"][0][0] for s in gen_samples]
-    hf_gen = hf["gen"][:len(gen_samples)]
-    hf_em = [last_number(h["text"]) == h["target"] for h in hf_gen]
-    return {
-        "minillm_via_lm_eval": {MC_TASK: {k: mc_res[f"{k},none"] for k in ("acc", "acc_norm")},
-                                GEN_TASK: {"exact_match": gen_res["exact_match,last_number"]}},
-        "hf_transformers": {MC_TASK: mc_metrics([h["ll"] for h in hf_mc],
-                                                [h["choices"] for h in hf_mc],
-                                                [h["answer"] for h in hf_mc]),
-                            GEN_TASK: {"exact_match": sum(hf_em) / len(hf_em)}},
-        "items": {"mc_questions": len(mc_samples), "mc_choices": len(diffs),
-                  "mc_same_requests": same_args,
-                  "mc_max_abs_loglikelihood_diff": max(diffs),
-                  "mc_greedy_flags_equal": sum(g == h for s, hh in zip(greedy, hf_mc)
-                                               for g, h in zip(s, hh["greedy"])),
-                  "gen_questions": len(texts),
-                  "gen_texts_equal": sum(t == h["text"] for t, h in zip(texts, hf_gen)),
-                  "gen_differing": [{"minillm": t, "hf": h["text"]} for t, h in zip(texts, hf_gen)
-                                    if t != h["text"]]},
-    }
+def hf_model_args(model_dir: Path) -> str:
+    """lm-eval's ``--model hf`` on the same weights as the server's, in fp32 (and ``--device
+    cpu``: lm-eval passes its ``--device`` to the model too, so it cannot go in here)."""
+    return f"pretrained={model_dir},dtype=float32"
 
 
-def print_table(report: dict) -> None:
-    ours, ref, items = report["minillm_via_lm_eval"], report["hf_transformers"], report["items"]
-    print(f"\n{'task':<20} {'metric':<12} {'minillm serve (lm-eval)':>24} {'HF transformers':>16}")
-    for task in (MC_TASK, GEN_TASK):
-        for metric, value in ours[task].items():
-            print(f"{task:<20} {metric:<12} {value:>24.4f} {ref[task][metric]:>16.4f}")
-    print(f"\nlog-likelihoods: {items['mc_choices']} choices of {items['mc_questions']} questions, "
-          f"max |minillm - HF| = {items['mc_max_abs_loglikelihood_diff']:.2e}, same requests: "
-          f"{items['mc_same_requests']}, greedy flags equal {items['mc_greedy_flags_equal']}/"
-          f"{items['mc_choices']}")
-    print(f"generations: {items['gen_texts_equal']}/{items['gen_questions']} texts identical")
+def hf_runs(py: Path, model_dir: Path, limit: int | None, threads: int, timeout_s: float,
+            work: Path) -> dict:
+    """Both tasks through lm-eval's Hugging Face backend (transformers in ``.venv-lmeval``, its
+    process on the server's thread count); the generation task through the chat template, as
+    ``local-chat-completions`` sends a chat (the task YAML's greedy kwargs go to both)."""
+    env, cpu = {"OMP_NUM_THREADS": str(threads)}, ["--device", "cpu"]
+    mc = run_lm_eval(py, "hf", hf_model_args(model_dir), MC_TASK, work / "hf-mc", limit,
+                     timeout_s, cpu, env)
+    gen = run_lm_eval(py, "hf", hf_model_args(model_dir), GEN_TASK, work / "hf-gen", limit,
+                      timeout_s, [*cpu, CHAT], env)
+    return {MC_TASK: mc, GEN_TASK: gen}
 
 
 def stop_on_signal(signum, _frame) -> None:
@@ -312,17 +234,22 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, stop_on_signal)
     model_dir = ensure_smollm2_cache()
     py = ensure_venv()
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="minillm-lmeval-") as work:
-        runs = lm_eval_runs(py, model_dir, args.limit, args.num_concurrent, args.timeout_s,
-                            Path(work))
-    t1 = time.perf_counter()
-    hf = hf_scores(model_dir, args.limit)         # after the server stopped: the cores are free
-    report = {**compare(runs, hf), "model": MODEL, "dtype": "float32", "limit": args.limit,
-              "lm_eval": LM_EVAL, "served_s": round(t1 - t0, 1),
-              "hf_s": round(time.perf_counter() - t1, 1),
-              "command": "python -m minillm.bench.lm_eval"
-                         + (f" --limit {args.limit}" if args.limit else "")}
+    threads = engine_threads()
+    limit_arg = f" --limit {args.limit}" if args.limit else ""
+    with tempfile.TemporaryDirectory(prefix="minillm-lmeval-") as tmp:
+        work = Path(tmp)
+        t0 = time.perf_counter()
+        ours = served_runs(py, model_dir, args.limit, args.num_concurrent, threads,
+                           args.timeout_s, work)
+        t1 = time.perf_counter()             # the server has stopped: the cores are free
+        ref = hf_runs(py, model_dir, args.limit, threads, args.timeout_s, work)
+        t2 = time.perf_counter()
+    tasks = {MC_TASK: "multiple_choice", GEN_TASK: "generate_until"}
+    report = {**compare(ours, ref, tasks), "model": MODEL, "dtype": "float32",
+              "limit": args.limit, "lm_eval": LM_EVAL, "torch_threads": threads,
+              "served_s": round(t1 - t0, 1), "hf_s": round(t2 - t1, 1),
+              "hf_model_args": hf_model_args(Path("<SmolLM2 HF dir>")) + " --device cpu",
+              "command": "python -m minillm.bench.lm_eval" + limit_arg}
     print_table(report)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
