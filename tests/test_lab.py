@@ -33,6 +33,15 @@ WRONG = {
            "return list(block_table[:num_tokens // block_size])"),     # last block left behind
     "06": ("        out.append(target)\n        if guess != target:",
            "        out.append(guess)\n        if guess != target:"),    # the wrong guess kept
+    "12": ("        if new == old or old < new <= old + max(1, old // 50):",
+           "        if new == old:"),      # no hysteresis: the cap flips on measurement noise
+    "12-async": (                         # step N + 1 planned before step N's tokens are sampled
+        "        if landed:\n            self._land(out)\n"
+        "        self._apply_deferred_aborts(out)\n        self.propose()\n"
+        "        sched = self.schedule_step()\n",
+        "        self.propose()\n        sched = self.schedule_step()\n"
+        "        if landed:\n            self._land(out)\n"
+        "        self._apply_deferred_aborts(out)\n"),
 }
 # Exercise 06's sampled mistake: after a rejection, draw from p again instead of max(0, p - q)
 WRONG_06_RESIDUAL = ("residual = (target - q).clamp_(min=0)", "residual = target.clone()")
@@ -71,6 +80,33 @@ MORE_WRONG = {
             "    return blocks"),
            ("        blocks = block_manager.allocate_loaded(seq, num_tokens)\n    except",
             "        blocks = block_manager.allocate_loaded(seq, num_tokens + 1)\n    except")],
+    "12": [
+        ("        if new == old or old < new <= old + max(1, old // 50):\n            return None",
+         "        new = max(1, old // 2) if t > self.target_ms else min(self.ceiling, old + 1)\n"
+         "        if new == old:\n            return None"),              # AIMD: never settles
+        ("return int(max(1, min(self.ceiling, math.floor((aim - a) / b + 1e-9))))",
+         "return int(max(1, math.floor((aim - a) / b + 1e-9)))"),         # past the ceiling
+        ("return int(max(1, min(self.ceiling, math.floor((aim - a) / b + 1e-9))))",
+         "return int(min(self.ceiling, math.floor((aim - a) / b + 1e-9)))"),   # below 1
+        ("        if var > 1.0:                     # at least a token of spread\n"
+         "            b = (mnt - mn * mt) / var\n            a = mt - b * mn\n"
+         "            if b > 0 and a >= 0:\n                return a, b\n"
+         "        return 0.0, mt / mn",                      # no fallback when n has no spread
+         "        b = (mnt - mn * mt) / var\n        return mt - b * mn, b"),
+        ("            self.moments = tuple(m + self.alpha * (x - m) for m, x in zip(self.moments, "
+         "new))",                                           # a fit that never forgets
+         "            self.count = getattr(self, 'count', 1) + 1\n            self.moments = "
+         "tuple(m + (x - m) / self.count for m, x in zip(self.moments, new))")],
+    "12-async": [
+        ("        if self.in_flight is None:\n            return super().abort(request_id)\n",
+         "        if True:\n            return super().abort(request_id)\n"),   # under its forward
+        ("        landed = self.in_flight is not None\n        if landed:\n"
+         "            self._land(out)\n        self._apply_deferred_aborts(out)\n",
+         "        landed = self.in_flight is not None\n        self._apply_deferred_aborts(out)\n"
+         "        if landed:\n            self._land(out)\n"),     # aborts applied before landing
+        ("        self.bill(out, flight.sched, forward_ms)\n", ""),   # the landed step not billed
+        ("            if flight.future.done():\n                self.in_flight = None\n",
+         "            pass\n")],                                        # a step landed twice
 }
 WRONG_03_FREE = ("        if block.ref_count == 0:\n            self.free_queue[bid] = None",
                  "        self.free_queue[bid] = None")     # a shared block freed for everyone

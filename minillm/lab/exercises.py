@@ -118,6 +118,30 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "exactly that many uint8 bytes and views them as (blocks, *block shape) of the "
              "tensor's dtype; land = allocate_loaded, write_blocks, cache_full_blocks, or None "
              "with nothing allocated when the pool has no room."),
+    Exercise("12", "The adaptive batch: a controller that holds a TPOT target",
+             "minillm.core.batch_controller",
+             ("TPOTController.observe", "TPOTController._fit", "TPOTController._cap"),
+             "12_realtime_scheduling", 35,
+             "Fold each step into exponentially weighted moments E[n], E[t], E[n²], E[nt] (weight "
+             "alpha on the newest; the first step is taken as it is). The fit is least squares, "
+             "b = (E[nt] - E[n]E[t]) / (E[n²] - E[n]²), a = E[t] - b E[n], but b = E[t] / E[n] "
+             "and a = 0 when the sizes have no spread (variance <= 1) or the fit gives b <= 0 "
+             "or a < 0. The cap is floor((headroom * target - a) / b), within [1, ceiling]. "
+             "Narrow at once; widen only by more than max(1, cap // 50) tokens; return a "
+             "BatchDecision exactly when the cap moved (a step of no tokens, or a time that is "
+             "negative or not finite, is ignored)."),
+    Exercise("12-async", "The overlapped step: land step N before planning step N + 1",
+             "minillm.engines.r12_realtime.engine",
+             ("AsyncEngine._step", "AsyncEngine._land", "AsyncEngine.abort",
+              "AsyncEngine._apply_deferred_aborts"),
+             "12_realtime_scheduling", 30,
+             "A step: out = self._take_aborted(); land the forward in flight, if any (join its "
+             "future, add it to self.overlap, bill it, commit_computed, finish_step, in_flight "
+             "back to None); apply the aborts deferred meanwhile; only then schedule the next "
+             "step on that committed state and _launch it (nothing scheduled and nothing landed: "
+             "return self._idle(out)). An abort while a forward is in flight only notes the id "
+             "(once; False for an unknown or finished request): the request's blocks are being "
+             "written. Once its step has landed, end it and report it in out.finished."),
 ]}
 
 
