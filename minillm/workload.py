@@ -62,14 +62,16 @@ def output_lengths(n: int, rng: random.Random, short: tuple[int, int] = (8, 48),
     return [rng.randint(*(long if rng.random() < p_long else short)) for _ in range(n)]
 
 
-def arrival_offsets(n: int, rng: random.Random, rate: float | None) -> list[float]:
-    """All at t=0 (``rate`` None), or a Poisson process of ``rate`` requests per second."""
+def arrival_offsets(n: int, rng: random.Random, rate: float | None,
+                    burst: tuple[int, float] | None = None) -> list[float]:
+    """All at t=0 (``rate`` None), or a Poisson process of ``rate`` requests per second;
+    ``burst=(k, r)``: a rate step -- after the first ``k`` requests, ``r`` per second."""
     if not rate:
         return [0.0] * n
     t, out = 0.0, []
-    for _ in range(n):
+    for i in range(n):
         out.append(t)
-        t += rng.expovariate(rate)
+        t += rng.expovariate(burst[1] if burst and i + 1 >= burst[0] else rate)
     return out
 
 

@@ -102,9 +102,11 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, chat: bool) -> R
 
 
 async def run(base_url: str, bodies: list[dict], rate: float, concurrency: int | None,
-              seed: int, chat: bool, timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
+              seed: int, chat: bool, timeout_s: float = 600.0,
+              burst: tuple[int, float] | None = None) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
-    offsets = arrival_offsets(len(bodies), random.Random(seed), None if math.isinf(rate) else rate)
+    offsets = arrival_offsets(len(bodies), random.Random(seed), None if math.isinf(rate) else rate,
+                              burst)
     gate = asyncio.Semaphore(concurrency or len(bodies))
     limits = httpx.Limits(max_connections=concurrency or len(bodies))
     key = os.environ.get("MINILLM_API_KEY")   # a server started with --api-key wants it

