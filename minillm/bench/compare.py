@@ -218,11 +218,12 @@ def side_by_side(results: dict[str, dict]) -> str:
             ("TTFT P50 (ms)", "median_ttft_ms", "{:.0f}"), ("TTFT P99 (ms)", "p99_ttft_ms", "{:.0f}"),
             ("TPOT P50 (ms)", "median_tpot_ms", "{:.0f}"), ("TPOT P99 (ms)", "p99_tpot_ms", "{:.0f}"),
             ("ITL P50 (ms)", "median_itl_ms", "{:.0f}"), ("E2E P50 (ms)", "median_e2el_ms", "{:.0f}")]
-    lines = [f"{'':<28}" + "".join(f"{n:>14}" for n in names)]
+    width = max(14, *(len(n) + 2 for n in names))   # a long name still gets its own column
+    lines = [f"{'':<28}" + "".join(f"{n:>{width}}" for n in names)]
     for label, key, fmt in rows:
         cells = [f"{r['completed']}/{r['failed']}" if key is None else fmt.format(r[key])
                  for r in results.values()]
-        lines.append(f"{label:<28}" + "".join(f"{c:>14}" for c in cells))
+        lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
     if len(names) >= 2:                   # the first two columns, side by side
         a, b = results[names[0]], results[names[1]]
         lines.append(f"{names[0]} / {names[1]}: output tok/s "
