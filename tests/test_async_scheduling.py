@@ -8,27 +8,18 @@ from collections import Counter
 
 import pytest
 
-from minillm import Request, SamplingParams
+from minillm import Request
 from minillm.core.engine import PagedEngine
 from minillm.engines import create_engine
 from minillm.engines.r12_realtime.engine import AsyncEngine
+from minillm.lab.reference import mixed_requests
 from minillm.request import FinishReason
 
 from conftest import drain
 
 
 def workload(seed: int = 0) -> list[Request]:
-    shared = [11, 12, 13, 14, 15, 16, 17, 18]              # a prefix the cache can share
-    reqs = []
-    for i in range(10):
-        if i == 3:
-            params = SamplingParams(max_tokens=8, beam_width=3)
-        else:
-            params = SamplingParams(max_tokens=12 + i, temperature=0.9 if i % 2 else 0.0,
-                                    seed=seed + i, n=3 if i % 4 == 0 else 1, top_k=20)
-        prompt = shared + [(7 * i + k) % 200 + 3 for k in range(2 + 3 * i)]
-        reqs.append(Request(prompt, params, request_id=f"r{i}"))
-    return reqs
+    return mixed_requests(seed)
 
 
 def outputs(engine, reqs) -> dict:

@@ -131,3 +131,23 @@ def baseline(student, probe, *args, **kwargs):
     except NotImplementedError:
         return student.run(probe, *args, **kwargs)
 
+
+
+def mixed_requests(seed: int = 0) -> list:
+    """Ten requests that exercise a whole step: a shared 8-token prefix (prefix caching),
+    greedy and seeded sampled rows, n = 3 samples and a beam search, prompts of 10-37 tokens.
+    Rung 12's tests and its exercise grader (tests/test_async_scheduling.py,
+    graders/test_12_async.py) run it through the synchronous and the overlapped engine."""
+    from ..request import Request, SamplingParams
+
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]
+    reqs = []
+    for i in range(10):
+        if i == 3:
+            params = SamplingParams(max_tokens=8, beam_width=3)
+        else:
+            params = SamplingParams(max_tokens=12 + i, temperature=0.9 if i % 2 else 0.0,
+                                    seed=seed + i, n=3 if i % 4 == 0 else 1, top_k=20)
+        prompt = shared + [(7 * i + k) % 200 + 3 for k in range(2 + 3 * i)]
+        reqs.append(Request(prompt, params, request_id=f"r{i}"))
+    return reqs

@@ -24,8 +24,8 @@ from collections import Counter
 import pytest
 import torch
 
-from minillm import Request, SamplingParams
-from minillm.lab.reference import baseline
+from minillm import Request
+from minillm.lab.reference import baseline, mixed_requests
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
 MAX_STEPS = 2000     # a run that has not drained by then never will (a hang is a failure)
@@ -47,17 +47,7 @@ def cost(sched) -> float:
 
 
 def workload() -> list[Request]:
-    shared = [11, 12, 13, 14, 15, 16, 17, 18]              # a prefix the cache can share
-    reqs = []
-    for i in range(10):
-        if i == 3:
-            params = SamplingParams(max_tokens=8, beam_width=3)
-        else:
-            params = SamplingParams(max_tokens=12 + i, temperature=0.9 if i % 2 else 0.0,
-                                    seed=i, n=3 if i % 4 == 0 else 1, top_k=20)
-        reqs.append(Request(shared + [(7 * i + k) % 200 + 3 for k in range(2 + 3 * i)], params,
-                            request_id=f"r{i}"))
-    return reqs
+    return mixed_requests()
 
 
 def watch(engine) -> dict:
