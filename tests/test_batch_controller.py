@@ -96,3 +96,16 @@ def test_an_impossible_target_narrows_to_one_and_nobody_starves():
     assert min(s["cap"] for s in run.steps) >= 1
     assert set(run.ends.values()) == {1} and len(run.ends) == 13
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("extra", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
+@pytest.mark.parametrize("rung12", [dict(policy="slo"),
+                                    dict(batch_controller="tpot", tpot_target_ms=50.0)])
+def test_engines_that_bill_no_step_time_refuse_slo_and_tpot_by_name(tiny, extra, rung12):
+    """The pipeline's micro-batches overlap: it has no step time for the scheduler's clock, so
+    'slo' and 'tpot' (which run on it) are refused before any worker starts."""
+    if tiny.device.type == "cuda":
+        pytest.skip("on GPUs, spawned workers are refused first (one process per GPU: torchrun)")
+    from minillm.engines import create_engine
+    with pytest.raises(ValueError, match="bills no step time"):
+        create_engine("paged", tiny, num_blocks=16, **extra, **rung12)

@@ -44,6 +44,7 @@ class PagedEngine(Engine):
     supports_parallel = True    # n > 1 and beams share blocks
     refuses = frozenset()       # logprobs, prompt logprobs and every sampling control
     supports_async_scheduling = False   # rung 12's engine overlaps its steps
+    bills_steps = True     # each step's time reaches the scheduler's clock and batch controller
     configs = (CacheConfig, SchedulerConfig, ModelConfig)
 
     def __init__(self, model, *, backend=None, runner=None, sampler=None, block_manager=None,
@@ -65,6 +66,11 @@ class PagedEngine(Engine):
             raise ValueError(f"async_scheduling=True: engine {self.name!r} does not overlap its "
                              "steps (rung 12's does: engine 'paged' without speculative, "
                              "pipeline, tensor parallel or disaggregated serving)")
+        if not self.bills_steps and (limits.policy == "slo" or limits.batch_controller != "none"):
+            raise ValueError(f"policy={limits.policy!r}, batch_controller="
+                             f"{limits.batch_controller!r}: engine {self.name!r} bills no step "
+                             "time to the scheduler (its micro-batches overlap), and 'slo' and "
+                             "'tpot' run on that clock: use engine 'paged'")
         self.step_cost = step_cost
         self.kv_format = get_format(cache.kv_cache_dtype)    # how wide a slot is (rung 9)
         if block_manager is None:

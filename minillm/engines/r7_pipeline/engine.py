@@ -60,6 +60,8 @@ class MicroBatch:
 class PipelineEngine(PagedEngine):
     name = "pipeline"
     refuses = frozenset({"prompt_logprobs"})   # the last stage returns sampled rows' logits only
+    # micro-batches overlap: no one step time for rung 12's clock and controller ('slo', 'tpot')
+    bills_steps = False
 
     configs = PagedEngine.configs + (ParallelConfig,)
 
