@@ -76,8 +76,10 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
         "tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline",
         "async_scheduling": {True: "paged-async", False: "paged"},
         "enable_lora": {True: "paged+lora"}}),
-    EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"}),
-    EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"}),
+    EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"},
+               upgrades={"async_scheduling": {True: "paged+ngram-async", False: "paged+ngram"}}),
+    EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"},
+               upgrades={"async_scheduling": {True: "paged+draft-async", False: "paged+draft"}}),
     EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine",
                upgrades={"tensor_parallel_size": "tensor"},
                worker="minillm.engines.r7_pipeline.launcher:torchrun_worker"),
@@ -86,6 +88,10 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("disagg", 11, "minillm.engines.r11_disagg.engine", "DisaggEngine", servable=True),
     EngineSpec("paged-async", 12, "minillm.engines.r12_realtime.engine", "AsyncEngine",
                {"async_scheduling": True}, servable=True),
+    EngineSpec("paged+ngram-async", 12, "minillm.engines.r12_realtime.engine",
+               "AsyncSpeculativeEngine", {"speculative": "ngram", "async_scheduling": True}),
+    EngineSpec("paged+draft-async", 12, "minillm.engines.r12_realtime.engine",
+               "AsyncSpeculativeEngine", {"speculative": "draft", "async_scheduling": True}),
     EngineSpec("paged+lora", 13, "minillm.engines.r13_lora.engine", "LoRAEngine",
                {"enable_lora": True}, servable=True),
 )}
@@ -113,7 +119,8 @@ def resolve(name: str, options: dict) -> tuple[EngineSpec, dict, dict]:
             config = all_options()[option].config.__name__
             raise ValueError(f"{option} must be {' or '.join(map(repr, to))} (or a {config}), "
                              f"got {value!r}")
-        return REGISTRY[target], options, {**REGISTRY[target].fixed, option: value}
+        spec, options, fixed = resolve(target, options)    # it may move on (speculative, async)
+        return spec, options, {**fixed, option: value}
     return spec, options, dict(spec.fixed)
 
 

@@ -26,9 +26,10 @@ host work outside the engine. Notebook 12 measures how much that is.
 Nothing the forward reads may change while it runs. New requests only join the waiting queue
 (the forward reads scheduled sequences only); an abort that comes while a forward is in flight is
 applied once that step has landed (the request ends at the next ``step()``, with that step's
-token); ``reset`` waits for the forward first. Speculative decoding, pipeline and tensor
-parallelism and disaggregation are other classes: they refuse ``async_scheduling``
-(``PagedEngine.__init__``).
+token); ``reset`` waits for the forward first. ``AsyncSpeculativeEngine`` is rung 6 overlapped
+the same way: its ``propose`` (after step N landed) and ``verify`` (in ``finish_step``) are the
+core's extension points, which this step already calls. Pipeline and tensor parallelism and
+disaggregation are other steps: they refuse ``async_scheduling`` (``PagedEngine.__init__``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from ...core.engine import PagedEngine
 from ...core.interface import StepOutput
 from ...core.scheduler import SchedulerOutput
 from ...request import Request
+from ..r6_speculative.engine import SpeculativeEngine
 
 
 @dataclass
@@ -166,3 +168,13 @@ class AsyncEngine(PagedEngine):
 
     def run_extra(self) -> dict:
         return {**super().run_extra(), "overlap": self.overlap.as_dict()}
+
+
+class AsyncSpeculativeEngine(AsyncEngine, SpeculativeEngine):
+    """Rung 6 with rung 12's overlapped step (``speculative=`` + ``async_scheduling=True``):
+    ``AsyncEngine._step`` proposes once step N has landed, launches the 1 + k rows of step N + 1,
+    and verifies them when they land; nothing of either rung is copied."""
+
+    def __init__(self, model, **options):
+        super().__init__(model, **options)
+        self.name = f"{self.name}-async"           # paged+ngram-async, paged+draft-async
