@@ -134,3 +134,17 @@ def sched_group_at_arrival(engine, timing):
     req = Request([1], SamplingParams(max_tokens=1), ttft_slo_ms=timing.ttft_slo_ms,
                   tpot_slo_ms=timing.tpot_slo_ms)
     return SequenceGroup(req, [Sequence(req, [1], 1)], 0, 0, timing.arrival_ms)
+
+
+def test_the_deadlines_mix_tells_classes_apart_by_objectives_only():
+    """``bench --serve ... --mix deadlines``: one priority, so only ``slo`` can see which
+    requests are urgent; each body carries its class's objectives."""
+    from minillm.bench.mixed import make_mixed_bodies
+    bodies, classes = make_mixed_bodies("m", 40, 0, "deadlines")
+    assert {b["priority"] for b in bodies} == {0}
+    assert {c.name for c in classes} == {"urgent", "background"}
+    for body, c in zip(bodies, classes):
+        assert body["ttft_slo_ms"] == c.slo_ttft_ms and len(body["prompt"]) == c.input_len
+    urgent = next(c for c in classes if c.name == "urgent")
+    background = next(c for c in classes if c.name == "background")
+    assert urgent.slo_ttft_ms < background.slo_ttft_ms and urgent.max_tokens > background.max_tokens

@@ -54,7 +54,9 @@ def add_serve_bench_args(p) -> None:
                         "reported per class with goodput. 'policies' (--mix alone): interactive "
                         "and batch requests with priorities, for --serve minillm:fcfs,"
                         "minillm:priority,minillm:score; 'disagg': steady decodes among which "
-                        "long prompts arrive, for --serve minillm,minillm:disagg")
+                        "long prompts arrive, for --serve minillm,minillm:disagg; 'deadlines': one "
+                        "priority, classes told apart by their objectives only, for --serve "
+                        "minillm:fcfs,minillm:score,minillm:slo")
 
 
 def serve_only_flags(args) -> list[str]:
@@ -152,7 +154,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
         return 2
     # --mix policies: every server keeps the KV of a request it evicts for another (prefix
     # caching), so an eviction costs a lookup, not a recomputed prompt; the same for every policy
-    extra = ["--enable-prefix-caching"] if args.mix == "policies" else []
+    extra = ["--enable-prefix-caching"] if args.mix in ("policies", "deadlines") else []
     log_dir = (Path(args.json).resolve().parent if args.json else Path.cwd()) / "server-logs"
     dtype = served_dtype(args.dtype)
     results = {}

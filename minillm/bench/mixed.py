@@ -10,6 +10,12 @@ requests (short prompts, long answers: decodes that run all along) among which `
 arrive (long prompts, a few tokens): in one engine each long prefill stalls the steady decodes
 (their ITL and TPOT spike); disaggregated, it runs on the prefill worker.
 
+``--mix deadlines`` (rung 12: ``--serve minillm:fcfs,minillm:score,minillm:slo --mix
+deadlines``): one priority for all, so only the objectives tell the classes apart: ``urgent``
+requests (long answers, first token within 3 s) and ``background`` ones (short answers, within
+30 s). Shortest-remaining-first (``score``) serves the short background jobs first; the deadline
+order (``slo``) does not.
+
 Every server gets the same bodies at the same times; the report splits TTFT, TPOT and ITL by
 class and counts **goodput**: the requests per second that finished within their class's
 objectives (DistServe's measure), beside the plain throughput. Prompts are random token ids
@@ -42,6 +48,8 @@ MIXES: dict[str, tuple[RequestClass, ...]] = {
                  RequestClass("batch", 1, 512, 128, 20000.0)),
     "disagg": (RequestClass("steady", 0, 32, 128, 2000.0, 0.75, slo_tpot_ms=150.0),
                RequestClass("long", 0, 1024, 8, 20000.0, 0.25)),
+    "deadlines": (RequestClass("urgent", 0, 128, 128, 3000.0),
+                  RequestClass("background", 0, 64, 16, 30000.0)),
 }
 
 
