@@ -92,6 +92,10 @@ def probe_random_operations(ops: list, num_blocks: int, block_size: int, prefix:
 def judge_operations(trace: list, num_blocks: int) -> None:
     for i, (did, books) in enumerate(trace):
         where = f"after operation {i} ({did['op']})"
+        try:       # the books first: a block freed while shared shows here by name, whichever
+            check_books(books)          # operation hypothesis happens to find it with
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
         if "need" in did:
             assert did["took"] == did["need"], (
                 f"{where}: blocks_needed said {did['need']}, append_slots took {did['took']}")
@@ -100,10 +104,6 @@ def judge_operations(trace: list, num_blocks: int) -> None:
                     f"{where}: a copy-on-write pair ({src}, {dst}) must name a new block held "
                     f"by the writer alone (its ref_count is {count})")
         assert did.get("table_after_free", []) == [], f"{where}: a freed sequence holds no blocks"
-        try:
-            check_books(books)
-        except AssertionError as e:
-            raise AssertionError(f"{where}: {e}") from None
     assert trace[-1][1]["num_free"] == num_blocks, "every block returns to the pool"
 
 
