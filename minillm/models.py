@@ -249,26 +249,26 @@ def tiny_llama_config():
 
 
 def _tiny_llama():
-    from transformers import LlamaForCausalLM
-
-    config = tiny_llama_config()
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    config._attn_implementation = "sdpa"
-    return model, ByteTokenizer(config.vocab_size)
+    return _random_llama(tiny_llama_config())
 
 
 def _random_smollm2():
     """SmolLM2-135M's configuration (config.json of the GGUF's conversion) with random weights:
     every shape, hence every kernel and its time, as the real model's; the tokens mean nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
+    return _random_llama(LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0))
+
+
+def _random_llama(config):
+    """A Llama of ``config`` with seeded random weights (the same on every call) and the byte
+    tokenizer: the models that need no files."""
+    from transformers import LlamaForCausalLM
+
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
