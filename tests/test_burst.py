@@ -26,7 +26,8 @@ def test_after_k_requests_arrivals_come_at_the_burst_rate():
 
 @pytest.mark.parametrize("text,rate,match", [
     ("24", 2.0, "K:RATE"), ("a:3", 2.0, "K:RATE"), ("0:3", 2.0, "K >= 1"),
-    ("4:0", 2.0, "RATE > 0"), ("4:inf", 2.0, "RATE > 0"), ("4:3", None, "finite --rate")])
+    ("4:0", 2.0, "RATE > 0"), ("4:inf", 2.0, "RATE > 0"), ("4:3", None, "finite --rate"),
+    ("4:3", float("inf"), "finite --rate")])     # all at t=0: there is no rate to step from
 def test_bad_bursts_are_errors_naming_the_flag(text, rate, match):
     with pytest.raises(ValueError, match="--burst") as e:
         parse_burst(text, rate)

@@ -114,7 +114,8 @@ def parse_burst(text: str | None, rate: float | None) -> tuple[int, float] | Non
         burst = (int(k), float(r))
     except ValueError:
         raise ValueError(f"--burst takes K:RATE (e.g. 24:6), got {text!r}") from None
-    if burst[0] < 1 or not burst[1] > 0 or not math.isfinite(burst[1]) or not rate:
+    if burst[0] < 1 or not burst[1] > 0 or not math.isfinite(burst[1]) or not rate \
+            or not math.isfinite(rate):
         raise ValueError(f"--burst {text!r}: K >= 1 and RATE > 0, after a finite --rate")
     return burst
 
