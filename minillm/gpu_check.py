@@ -12,7 +12,11 @@ knowing there runs from one call and prints one table:
    static, dynamic, paged (Triton attention), paged-async and Hugging Face's two batched peers on
    the same requests (``python -m minillm bench``);
 4. ``profile``: where a decode step's time goes on the GPU -- the step's wall time against the
-   time the device spent in kernels (``torch.profiler``), at 1, 32 and 128 running sequences.
+   time the device spent in kernels (``torch.profiler``), at 1, 32 and 128 running sequences;
+5. what the round's rungs change on a GPU: ``rung12`` (``minillm.bench.async_step``: the step
+   with and without ``async_scheduling``, and the host time the overlap hid), ``lora``
+   (``minillm.bench.lora`` with each adapter kernel, Triton's natively) and ``structured``
+   (``minillm.bench.structured_mask``: a JSON schema's mask per step at 64 rows).
 
 Each part runs in its own process under its own time budget, so one that hangs or crashes still
 leaves the others' numbers; logs and JSON land in ``--out``. Without CUDA it refuses unless
@@ -40,7 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "kernels", "engines", "profile")
+PARTS = ("tests", "kernels", "engines", "profile", "rung12", "lora", "structured")
 TEST_FILES = ("test_engines", "test_sampling", "test_recovery", "test_soak", "test_speculative",
               "test_speculative_rules", "test_triton_kernels", "test_kv_quant_triton",
               "test_lora_triton", "test_lora", "test_async_scheduling", "test_batch_controller",
@@ -122,6 +126,17 @@ def profile_rows(model_name: str, dtype: str, backend: str, steps: int = 8) -> l
     return rows
 
 
+def lora_kernels(model: str, out: Path) -> int:
+    """Part 5's ``lora``: rung 13's bench once per adapter kernel (``triton`` compiles natively
+    here; on a CPU it runs in Triton's interpreter), 8 adapters x 8 requests in one batch."""
+    from .bench import lora
+    from .engines.r13_lora.config import LORA_KERNELS
+    for kernel in LORA_KERNELS:
+        lora.main(["--model", model, "--adapters", "8", "--per-adapter", "8", "--max-tokens", "64",
+                   "--lora-kernel", kernel, "--json", str(out / f"lora_{kernel}.json")])
+    return 0
+
+
 def busy_ms(prof) -> float:
     """Milliseconds in which the device ran at least one kernel: the union of the kernels'
     intervals (a sum would count overlapping kernels, and any event listed twice, twice)."""
@@ -156,6 +171,8 @@ def summary_table(results: dict, out: Path) -> str:
         elif name == "profile" and (out / "profile.json").exists():
             what = "; ".join(f"{r['rows']} rows: {r['step_ms']} ms, {r['launches_per_step']} launches"
                              for r in json.loads((out / "profile.json").read_text()))
+        elif name in ("rung12", "lora", "structured"):      # their own printout's last lines
+            what = " / ".join(ln.strip() for ln in res.get("log_tail", "").splitlines()[-3:])
         lines.append(f"| {name} | {res['rc']} | {res['wall_s']} | {what} |")
     return "\n".join(lines)
 
@@ -167,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-random", help="for the engines and profile parts")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default="triton")
-    ap.add_argument("--budgets", default="200,90,150,60",
+    ap.add_argument("--budgets", default="200,90,150,60,90,120,40",
                     help="seconds per part, in the order of --parts' default")
     ap.add_argument("--quick", action="store_true", help="fewer requests in the engines part")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a dry run)")
     ap.add_argument("--profile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--lora-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "profile.json").write_text(json.dumps(rows, indent=1))
         print(json.dumps(rows, indent=1))
         return 0
+    if args.lora_only:
+        return lora_kernels(args.model, out)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("gpu_check: no CUDA device here (pass --allow-cpu for a dry run)", file=sys.stderr)
         return 2
@@ -192,7 +212,13 @@ def main(argv: list[str] | None = None) -> int:
             "engines": engines_cmd(out, args.model, args.dtype, args.attention_backend, args.quick),
             "profile": [sys.executable, "-m", "minillm.gpu_check", "--profile-only", "--out",
                         str(out), "--model", args.model, "--dtype", args.dtype,
-                        "--attention-backend", args.attention_backend]}
+                        "--attention-backend", args.attention_backend],
+            "rung12": [sys.executable, "-m", "minillm.bench.async_step", "--models", args.model,
+                       "--dtype", args.dtype, "--batch", "1,32,128", "--max-tokens", "64"],
+            "lora": [sys.executable, "-m", "minillm.gpu_check", "--lora-only", "--out", str(out),
+                     "--model", args.model],
+            "structured": [sys.executable, "-m", "minillm.bench.structured_mask", "--model",
+                           args.model, "--rows", "64", "--steps", "60"]}
     parts = args.parts.split(",")
     for name in parts:                       # all checked before any part starts
         if name not in cmds:

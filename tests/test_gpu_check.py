@@ -56,3 +56,13 @@ def test_smollm2_random_has_the_real_model_s_shapes():
                 "max_position_embeddings", "tie_word_embeddings"):
         assert getattr(model.config, key) == real[key], key
     assert model.config.rope_parameters["rope_theta"] == real["rope_parameters"]["rope_theta"]
+
+
+def test_dry_run_of_rung12_and_structured_parts_prints_their_numbers(tmp_path, capsys):
+    """Part 5 (what the round's rungs change on a GPU): each part's own printout reaches the
+    table, so a lent session reads one table."""
+    assert gpu_check.main(["--allow-cpu", "--model", "tiny-llama", "--dtype", "float32",
+                           "--parts", "rung12,structured", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| rung12 | 0 |" in out and "hidden host ms" in (tmp_path / "rung12.log").read_text()
+    assert "| structured | 0 |" in out and "mask_ms_median" in out

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..engines.r13_lora.adapter import TARGETS, LoRARequest
+from ..engines.r13_lora.config import LORA_KERNELS
 from ..engines.r13_lora.peft_files import save_random_adapter
 from ..engines.r13_lora.slots import LoRASlots
 from ..lab.reference import random_prompts
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-adapter", type=int, default=8, help="requests per adapter")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--lora-kernel", default="sgmv", choices=("sgmv", "bgmv"))
+    ap.add_argument("--lora-kernel", default="sgmv", choices=LORA_KERNELS)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", help="also write the numbers to this file")
     a = ap.parse_args(argv)

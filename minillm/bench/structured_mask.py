@@ -30,6 +30,9 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "email", "tags", "address"]}
 
 
+WARM = 5          # steps left out of the times: the first fills of each matcher's caches
+
+
 def walk(rows: int, steps: int, model, batched: bool) -> list[float]:
     """Milliseconds of the mask per step over a random walk of ``rows`` matchers."""
     import xgrammar as xgr
@@ -40,19 +43,28 @@ def walk(rows: int, steps: int, model, batched: bool) -> list[float]:
     gen = torch.Generator().manual_seed(0)
     times = []
     for _ in range(steps):
-        logits = torch.randn(rows, model.config.vocab_size, generator=gen)
+        logits = torch.randn(rows, model.config.vocab_size, generator=gen).to(model.device)
+        _sync(model.device)
         t = time.perf_counter()
         if batch is None:
             apply_grammar_masks(logits, matchers)
         else:
             bitmask = xgr.allocate_token_bitmask(rows, logits.shape[-1])
             batch.batch_fill_next_token_bitmask(matchers, bitmask)
-            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        _sync(model.device)
         times.append((time.perf_counter() - t) * 1e3)
         for m, token in zip(matchers, logits.argmax(dim=-1).tolist()):
             if not m.accept_token(token) or m.is_terminated():
                 m.reset()
     return times
+
+
+def _sync(device: torch.device) -> None:
+    """On a GPU the mask's copy and kernel are asynchronous: wait for them before reading the
+    clock, so a step's time includes them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,16 +73,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args(argv)
+    if args.steps < WARM + 1 or args.rows < 1:
+        ap.error(f"--steps must be > {WARM} (the first {WARM} warm up; got {args.steps}) and "
+                 f"--rows >= 1 (got {args.rows})")
     model = load_model(args.model, dtype=torch.float32)
-    logits = torch.randn(args.rows, model.config.vocab_size)
+    logits = torch.randn(args.rows, model.config.vocab_size, device=model.device)
     t = time.perf_counter()
     for _ in range(20):
         logits.argmax(dim=-1)
+    _sync(model.device)
     out = {"model": args.model, "vocab": model.config.vocab_size, "rows": args.rows,
-           "steps": args.steps, "threads": torch.get_num_threads(),
+           "steps": args.steps, "threads": torch.get_num_threads(), "device": str(model.device),
            "argmax_ms": round((time.perf_counter() - t) / 20 * 1e3, 3)}
     for name, batched in (("mask", False), ("batch_matcher", True)):
-        times = walk(args.rows, args.steps, model, batched)[5:]   # the first steps warm up
+        times = walk(args.rows, args.steps, model, batched)[WARM:]
         out[f"{name}_ms_median"] = round(statistics.median(times), 3)
         out[f"{name}_ms_p90"] = round(sorted(times)[int(0.9 * len(times))], 3)
     print(json.dumps(out))
