@@ -301,9 +301,10 @@ def test_the_mask_bench_times_both_fills_and_refuses_too_few_steps(capsys):
     """``python -m minillm.bench.structured_mask``: one JSON line with both fills' times; fewer
     steps than its warm-up is refused naming the flag (it used to crash on an empty median)."""
     from minillm.bench import structured_mask
+    from minillm.models import load_model
     structured_mask.main(["--model", "tiny-llama", "--rows", "3", "--steps", "7"])
     out = json.loads(capsys.readouterr().out)
-    assert out["rows"] == 3 and out["device"] == "cpu"
+    assert out["rows"] == 3 and out["device"] == str(load_model("tiny-llama").device)   # cuda where there is one
     assert out["mask_ms_median"] > 0 and out["batch_matcher_ms_median"] > 0
     with pytest.raises(SystemExit):
         structured_mask.main(["--model", "tiny-llama", "--steps", "5"])
