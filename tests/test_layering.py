@@ -178,6 +178,19 @@ def private_reads(files: dict[str, str]) -> list[str]:
     return bad
 
 
+def step_copies(files: dict[str, str]) -> list[str]:
+    """A rung calling what the core's ``finish_step`` and ``bill`` do inside (``complete``,
+    ``postprocess``, ``_account``) rebuilds that part of the step instead of passing through the
+    phase (rung 7 once rescaled ``_account(split, sched, 1.0)`` and called ``complete`` itself)."""
+    bad = []
+    for path, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("complete", "postprocess", "_account")):
+                bad.append(f"{path}:{node.lineno} {ast.unparse(node.func)}")
+    return bad
+
+
 def test_nothing_in_core_imports_the_ladder():
     assert core_imports_of_engines(sources(PKG / "core")) == []
 
@@ -200,6 +213,10 @@ def test_engines_are_built_without_init_order_tricks():
     engines = sources(PKG / "core", PKG / "engines")
     assert factories_with_side_effects(engines) == []
     assert config_aliases(engines) == []
+
+
+def test_rungs_extend_the_step_through_its_phases():
+    assert step_copies(sources(PKG / "engines")) == []
 
 
 def test_views_ask_engines_through_declared_methods():
@@ -235,4 +252,9 @@ def test_the_checks_catch_planted_violations():
               "        ok = self.cache_config.block_size\n"
               "        c = self.parallel_config\n"}
     assert factories_with_side_effects(engine) == ["minillm/engines/x.py:3 self.stage"]
+    copied = {"minillm/engines/p.py": "class P:\n    def land(self, mb, out):\n"
+              "        self._account(split, mb.sched, 1.0)\n        self.complete(r, l, out)\n"
+              "        super().finish_step((r, l), out)\n"}
+    assert step_copies(copied) == ["minillm/engines/p.py:3 self._account",
+                                   "minillm/engines/p.py:4 self.complete"]
     assert len(config_aliases(engine)) == 2

@@ -277,11 +277,12 @@ class PagedEngine(Engine):
         raise NotImplementedError(f"engine {self.name!r} proposes no guesses to verify")
 
     def bill(self, out: StepOutput, sched: SchedulerOutput, measured_ms: float) -> None:
-        """The step's time (measured, or ``step_cost``'s) into ``out`` and the scheduler's
-        clock and batch controller (rung 12)."""
+        """The step's time (measured, or ``step_cost``'s) into ``out`` and, where steps do not
+        overlap (``bills_steps``), the scheduler's clock and batch controller (rung 12)."""
         ms = measured_ms if self.step_cost is None else float(self.step_cost(sched))
         self._account(out, sched, ms)
-        self.scheduler.observe_step(sched.num_tokens, ms)
+        if self.bills_steps:
+            self.scheduler.observe_step(sched.num_tokens, ms)
 
     @staticmethod
     def _account(out: StepOutput, sched: SchedulerOutput, ms: float) -> None:

@@ -45,14 +45,14 @@ from .timeline import Event, format_summary
 
 @dataclass
 class MicroBatch:
-    """A scheduled step on its way through the ranks. The ``StepOutput`` of the engine step that
-    completes it reports its time through the whole pipeline (launch to logits back), split
-    between prefill and decode by token count as rung 3 does (``PagedEngine._account``)."""
+    """A scheduled step on its way through the ranks. The engine step that lands it bills it
+    with rung 3's ``bill``: its time through the whole pipeline (launch to logits back), split
+    between prefill and decode by ``sched``'s token counts."""
 
     index: int
+    sched: SchedulerOutput        # what it computes (committed as computed at launch)
     groups: set[SequenceGroup]    # the requests in it: not schedulable until it is back
     reached: list[Sequence]       # the sequences whose logits come back, in row order
-    split: StepOutput             # the prefill/decode shares (of 1 ms) and token counts
     t_launch: float
     logits: torch.Tensor | None = None   # computed by rank 0 itself (rung 10 with one stage)
 
@@ -136,24 +136,29 @@ class PipelineEngine(PagedEngine):
         return super().has_unfinished() or bool(self.in_flight)
 
     def _step(self) -> StepOutput:
+        """Rung 3's phases with the forward split in two: ``launch`` micro-batches (each a
+        ``schedule_step``) until ``num_microbatches`` are in flight, then ``land`` the oldest,
+        ``bill`` it and ``finish_step`` it -- sample and commit, as the core does."""
         if self.broken is not None:
             raise self.broken
         out = self._take_aborted()
         try:
-            while len(self.in_flight) < self.num_microbatches and self._launch():
+            while len(self.in_flight) < self.num_microbatches and self.launch():
                 pass
             if not self.in_flight:
                 return self._idle(out)
             with deferred_interrupt():   # the logits received <=> the micro-batch forgotten
                 mb = self.in_flight.popleft()
-                logits = self._receive(mb)
-            self._finish_microbatch(mb, logits, out)
+                logits = self.land(mb)
+            self.bill(out, mb.sched, (time.perf_counter() - mb.t_launch) * 1000.0)
+            with self.comm.timeline.span("schedule", mb.index):    # rank 0's host work
+                self.finish_step((mb.reached, logits), out)
         except WorkerError as e:
             self.broken = self.group.failure(e)
             raise self.broken from None
         return out
 
-    def _schedule(self) -> SchedulerOutput:
+    def schedule_step(self) -> SchedulerOutput:
         """A scheduler step over the running requests not in flight: those are excluded (neither
         scheduled nor preempted, though they keep their seats against ``max_num_seqs``). New
         requests are admitted up to an even share of the requests in the engine: otherwise the
@@ -165,16 +170,16 @@ class PipelineEngine(PagedEngine):
         visible = sum(1 for g in self.scheduler.running if g not in busy)
         return self.scheduler.schedule(exclude=busy, max_new=max(0, share - visible))
 
-    def _launch(self) -> bool:
-        """Form the next micro-batch, run the first stage, send it on. False: nothing to run."""
+    def launch(self) -> bool:
+        """The first half of rung 3's ``execute``, for the next micro-batch: schedule it, prepare
+        its inputs, commit them as computed (the next micro-batch's schedule must see its tokens
+        so), run the first stage and send it on. False: nothing to run."""
         index, timeline = self.num_launched, self.comm.timeline
         with timeline.span("schedule", index):
-            sched = self._schedule()
+            sched = self.schedule_step()
             if not sched.scheduled:
                 return False
             ids, inputs, reached = self.runner.prepare_step(sched.scheduled, sched.copies, index)
-            split = StepOutput()
-            self._account(split, sched, 1.0)
             self.scheduler.commit_computed(sched)
             groups = {self.groups[s.request.request_id] for s, _ in sched.scheduled}
         t = time.perf_counter()
@@ -188,7 +193,7 @@ class PipelineEngine(PagedEngine):
                 self.runner.send_input(self.comm, ids, index)
             with timeline.span("compute", index):
                 out = self.runner.compute(inputs, ids)
-            mb = MicroBatch(index, groups, reached, split, t)
+            mb = MicroBatch(index, sched, groups, reached, t)
             if self.runner.computes_logits:     # a single stage: rank 0 holds the logits
                 mb.logits = out
             else:
@@ -198,7 +203,8 @@ class PipelineEngine(PagedEngine):
         self.num_launched += 1
         return True
 
-    def _receive(self, mb: MicroBatch) -> torch.Tensor:
+    def land(self, mb: MicroBatch) -> torch.Tensor:
+        """The second half of ``execute``: the logits of ``mb``'s rows, back from the last rank."""
         vocab = self.runner.net.vocab_size
         if mb.logits is not None:
             return mb.logits
@@ -207,19 +213,14 @@ class PipelineEngine(PagedEngine):
         return self.comm.recv((len(mb.reached), vocab), torch.float32, self.runner.logits_rank,
                               microbatch=mb.index)
 
-    def _finish_microbatch(self, mb: MicroBatch, logits: torch.Tensor, out: StepOutput) -> None:
-        """The logits of ``mb`` came back: sample and commit them with rung 3's ``complete``."""
-        with self.comm.timeline.span("schedule", mb.index):
-            # A request aborted while in flight is gone: its rows are dropped.
-            keep = [i for i, s in enumerate(mb.reached) if self._alive(s)]
-            if len(keep) != len(mb.reached):
-                logits = logits[keep]
-            self.complete([mb.reached[i] for i in keep], logits, out)
-        ms = (time.perf_counter() - mb.t_launch) * 1000.0
-        out.prefill_ms, out.decode_ms = mb.split.prefill_ms * ms, mb.split.decode_ms * ms
-        out.num_prefill_tokens = mb.split.num_prefill_tokens
-        out.num_decode_tokens = mb.split.num_decode_tokens
-        out.batch_size = mb.split.batch_size
+    def finish_step(self, result, out: StepOutput) -> None:
+        """Rung 3's, less the rows of requests aborted while their micro-batch was in flight
+        (they are gone: their rows are dropped)."""
+        reached, logits = result
+        keep = [i for i, s in enumerate(reached) if self._alive(s)]
+        if len(keep) != len(reached):
+            logits = logits[keep]
+        super().finish_step(([reached[i] for i in keep], logits), out)
 
     def record(self, *args, **kwargs):
         """Rung 3's per-step record (memory counts...): rank 0's host work, timed as such."""
@@ -245,7 +246,7 @@ class PipelineEngine(PagedEngine):
             try:
                 while self.in_flight:
                     with deferred_interrupt():
-                        self._receive(self.in_flight.popleft())
+                        self.land(self.in_flight.popleft())
             except WorkerError as e:
                 self.broken = self.group.failure(e)
         self.in_flight.clear()
