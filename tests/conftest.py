@@ -2,6 +2,7 @@
 and the Hugging Face reference every engine is checked against."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -10,7 +11,14 @@ import torch
 from minillm import load_model
 from minillm.lab.reference import Reference, assert_greedy_match, hf_greedy, random_prompts  # noqa: F401
 
-torch.set_num_threads(2)
+# Two xdist workers on two cores (`make test` runs `-n 2`): one torch thread each, and the same
+# for the processes a test starts (graders, servers, workers). Two OpenMP teams of two on two
+# cores wait on each other's cores (the README's "shared machine" note: 7-12x slower per token).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 
 def pytest_collection_modifyitems(items):
