@@ -51,10 +51,10 @@ browser:
 TEST_JOBS ?= 2
 
 test: setup browser
-	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) tests
+	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) --dist worksteal tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) tests -m "not slow"
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist worksteal tests -m "not slow"
 
 bench: setup
 	$(BIN)/python -m minillm bench --quick
