@@ -46,15 +46,19 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "note: tests/test_browser.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
 
-# Two worker processes (pytest-xdist), one torch thread each (tests/conftest.py): on a 2-core
-# machine about 1.8x faster than one process with two threads. TEST_JOBS=0 runs in one process.
-TEST_JOBS ?= 2
+# test-fast runs on two worker processes (pytest-xdist), one torch thread each (tests/conftest.py):
+# on a 2-core machine about 1.8x faster than one process with two threads. `make test` (what CI
+# runs) stays in one process unless TEST_JOBS=2 is given: in parallel it took 26-34 min instead of
+# ~42, but once two multi-process tests at once left a group of worker ranks unformed (tests marked
+# xdist_group("ranks") now share one worker; see docs/TESTING.md).
+TEST_JOBS ?= 0
+FAST_JOBS ?= 2
 
 test: setup browser
-	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) --dist worksteal tests
+	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) --dist loadgroup tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_JOBS) --dist worksteal tests -m "not slow"
+	$(BIN)/python -m pytest -q --durations=15 -n $(FAST_JOBS) --dist loadgroup tests -m "not slow"
 
 bench: setup
 	$(BIN)/python -m minillm bench --quick

@@ -17,7 +17,10 @@ from minillm import LLM, SamplingParams
 from minillm.lab.reference import random_prompts
 from serve_util import running_server, wait_until
 
-pytestmark = pytest.mark.slow      # a prefill worker process per server: not in make test-fast
+# slow: a prefill worker process per server: not in make test-fast. One xdist group (`--dist loadgroup`): under
+# `make test TEST_JOBS=2`, two files of worker ranks at once (7 processes on 2 cores) once
+# left a group unformed after 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]
 
 OPTIONS = dict(num_blocks=600, block_size=4, max_num_seqs=8)
 

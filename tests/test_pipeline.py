@@ -25,7 +25,10 @@ from minillm.engines.r7_pipeline.stage import EXIT_HOOK_ENV, split_layers
 from minillm.engines.r7_pipeline.timeline import KINDS, summarize
 from minillm.lab.reference import random_prompts
 
-pytestmark = pytest.mark.slow      # worker processes per engine: not in make test-fast
+# slow: worker processes per engine: not in make test-fast. One xdist group (`--dist loadgroup`): under
+# `make test TEST_JOBS=2`, two files of worker ranks at once (7 processes on 2 cores) once
+# left a group unformed after 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]
 
 ROOMY = dict(block_size=16, num_blocks=256)
 # Tight: 16 blocks of 4 tokens and 8 tokens a step force chunked prefill and preemption.

@@ -22,7 +22,10 @@ from minillm.engines.r10_tensor.timeline import summarize
 from minillm.lab.reference import random_prompts
 from test_pipeline import ROOMY, TIGHT, assert_same_as_paged, requests, shared_prefix_prompts
 
-pytestmark = pytest.mark.slow      # worker processes per engine: not in make test-fast
+# slow: worker processes per engine: not in make test-fast. One xdist group (`--dist loadgroup`): under
+# `make test TEST_JOBS=2`, two files of worker ranks at once (7 processes on 2 cores) once
+# left a group unformed after 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]
 
 MIXED = [SamplingParams(max_tokens=8, ignore_eos=True),
          SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=3, ignore_eos=True),
