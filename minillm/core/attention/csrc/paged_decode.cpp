@@ -10,8 +10,9 @@
 // per-token, per-head scale -- the context is never dequantized into a copy.
 //
 // One work item = one sequence; a token's K/V rows for all KV heads sit side by side in the pool
-// and each is read once for the query heads of its group (grouped-query attention). Two passes over the context: scores (q . k * scale) into a small
-// buffer, then softmax and the weighted sum of V rows.
+// and each is read once for the query heads of its group (grouped-query attention). The portable
+// loop just below makes two passes over the context: scores (q . k * scale) into a small buffer,
+// then softmax and the weighted sum of V rows; the AVX-512 path after it makes one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -84,16 +85,21 @@ static void decode_kernel(const T* q, const S* k_cache, const S* v_cache, const 
 //
 // The loop above spends most of its time outside the multiply-adds: every 64-long dot product
 // ends in a horizontal sum, every exp is a scalar call, and a 16-bit pool row is widened one
-// element at a time. Here one work item is (sequence, KV head) -- the g query heads that share a
-// KV head (SmolLM2: 3) are scored from one load of each K row -- and the context is walked in
-// tiles of 16 tokens:
-//   * a tile's K rows are widened to fp32 once (16-bit, int8) into a small buffer, then each
-//     query head takes 16 dot products as 16 vector accumulators and one transposing reduction
-//     (reduce16: 45 shuffles/adds for 16 sums instead of ~8 per sum);
-//   * exp is a vector polynomial (exp16), the softmax runs on whole vectors;
-//   * a tile's V rows are widened once and added into all g heads' outputs.
-// Work items are spread over threads by (sequence, KV head), so one long sequence still uses
-// three threads' worth of items and a batch of short ones balances.
+// element at a time. Here the context is walked once, in tiles of 16 tokens (one block at the
+// default block size), with an online softmax (FlashAttention's running max and sum):
+//   * a tile's K rows are scored for the g query heads that share them (SmolLM2: 3) as 16
+//     vector accumulators and one transposing reduction (reduce16: 45 shuffles/adds for 16
+//     sums); a bf16 query against a bf16 pool takes its dot products in place (vdpbf16ps);
+//     other 16-bit and int8 rows are widened to fp32 once per tile;
+//   * exp is a vector polynomial (exp16); the running max rescales the head's output only when
+//     it grows;
+//   * the same tile's V rows are then added into the heads' outputs while they are in cache.
+// One pass instead of two (scores, then V) lets the K and V of one block stream together, and
+// the prefetches now reach the machine code (see prefetch_l2). Against the two-pass kernel of
+// commit 8f128cf, both built here and called alternately in one process (128 rows, SmolLM2's
+// shape, 30 pools read from memory, 2 threads): bf16 1.3-1.45x faster at 155 tokens of context,
+// 1.4-1.55x at 600; fp32 1.24x and 1.41x. The blocks sit anywhere in the pool, so the next tiles
+// -- and the next sequence's first ones -- are asked for ahead.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -169,21 +175,32 @@ struct Tile {
   }
 };
 
-// Ask for the rows of the tile at t0 (if any) some tiles before they are needed: blocks sit
-// anywhere in the pool, so the hardware cannot guess where the next one starts, and one tile's
-// arithmetic is too short to cover a trip to memory.
+// A prefetch into L2 (prefetcht1) the compiler cannot drop. _mm_prefetch has no side effect in
+// GCC's eyes, so a helper made only of prefetches is judged "pure" and every call to it deleted:
+// until 2026-11-27 this kernel's prefetches compiled to nothing (`objdump -d` of the built
+// module: 0 prefetch instructions).
+static inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
+// Ask for the K and V rows of the tile at t0 (if any) some tiles before they are needed: blocks
+// sit anywhere in the pool, so the hardware cannot guess where the next one starts, and one
+// tile's arithmetic is too short to cover a trip to memory. A token's K and V rows are asked for
+// together, in the order the tile will read them.
 template <typename S>
-static inline void prefetch_tile(const S* pool, const int32_t* table, int64_t t0, int64_t L,
-                                 int64_t block_size, int64_t row_bytes) {
-  if (t0 < 0 || t0 >= L) return;
-  const int64_t n = std::min<int64_t>(16, L - t0);
-  for (int64_t t = t0; t < t0 + n; ++t) {
-    const int64_t slot = int64_t(table[t / block_size]) * block_size + t % block_size;
-    const char* p = reinterpret_cast<const char*>(pool) + slot * row_bytes;
-    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+static inline void prefetch_tile(const S* k_pool, const S* v_pool, const int32_t* table,
+                                 int64_t t0, int64_t L, int64_t block_size, int64_t row_bytes) {
+  for (int64_t t = t0; t < std::min<int64_t>(L, t0 + 16); ++t) {
+    const int64_t off = (int64_t(table[t / block_size]) * block_size + t % block_size) * row_bytes;
+    const char* k = reinterpret_cast<const char*>(k_pool) + off;
+    const char* v = reinterpret_cast<const char*>(v_pool) + off;
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+      prefetch_l2(k + o);
+      prefetch_l2(v + o);
+    }
   }
 }
-constexpr int64_t kAhead = 3;   // tiles in flight ahead of the one computing
+// Two tiles ahead, into L2 (T1): K and V of a 16-token block are 12 KB at SmolLM2's shape, so
+// more in flight, or into L1, evicts the tile being computed (measured: 2 > 1, 4, 8; T1 > T0).
+constexpr int64_t kAhead = 2;
 
 // 16 scores of one query head against one tile's K rows, fp32 arithmetic.
 template <int D>
@@ -216,91 +233,107 @@ static inline __m512 scores16_bf16(const c10::BFloat16* qh, const c10::BFloat16*
 }
 #endif
 
-// Decode attention for one sequence, all heads (see above). q, out: [H, D] fp32;
-// scores: [H, ceil16(L)] scratch; buf: [16, D] scratch.
+// A V row as C fp32 vectors. A bf16 row is widened by interleaving it with zeros (unpacklo/hi):
+// one load and two unpacks per 32 values instead of a load, a widening and a shift per 16, but
+// the values come out in a fixed lane order -- per 128-bit lane k, values 8k..8k+3, then 8k+4 ..
+// 8k+7 -- which the sums keep until `in_order` puts them back at the end.
 template <typename S, int D>
-static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache, const S* v_cache, const float* k_scale,
-                       const float* v_scale, const int32_t* table, int64_t L, int64_t H,
-                       int64_t KVH, int64_t block_size, float scale, float* out, float* scores,
-                       float* buf) {
+static inline void v_row(const S* v, __m512* out) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i raw = _mm512_loadu_si512(v + c * 32);
+      out[2 * c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), raw));
+      out[2 * c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), raw));
+    }
+  } else {
+    for (int c = 0; c < D / 16; ++c) out[c] = load16(v + c * 16);
+  }
+}
+
+template <typename S, int D>
+static inline void in_order(const float* acc, float inv, float* out) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    for (int c = 0; c < D / 32; ++c)
+      for (int k = 0; k < 4; ++k)
+        for (int e = 0; e < 4; ++e) {
+          out[c * 32 + 8 * k + e] = acc[2 * c * 16 + 4 * k + e] * inv;
+          out[c * 32 + 8 * k + 4 + e] = acc[(2 * c + 1) * 16 + 4 * k + e] * inv;
+        }
+  } else {
+    for (int d = 0; d < D; ++d) out[d] = acc[d] * inv;
+  }
+}
+
+// Decode attention for one sequence, all heads (see above). q, out: [H, D] fp32 (qb: the same
+// query in bf16, or nullptr); state: [H * D + 2H] scratch; buf: [16, D] scratch.
+// InPlace: a bf16 query scored against bf16 rows where they sit; Scaled: rows stored with scales.
+template <typename S, int D, bool InPlace, bool Scaled>
+static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache,
+                       const S* v_cache, const float* k_scale, const float* v_scale,
+                       const int32_t* table, int64_t L, int64_t H, int64_t KVH,
+                       int64_t block_size, float scale, float* out, float* state, float* buf) {
   constexpr int C = D / 16;
-  const int64_t g = H / KVH, Lp = (L + 15) / 16 * 16, stride = KVH * D;
+  const int64_t g = H / KVH, stride = KVH * D, row_bytes = stride * sizeof(S);
+  float* acc = state;                   // [H, D]: the weighted sum of V so far, per head
+  float* mx = state + H * D;            // [H]: the largest score so far
+  float* sum = mx + H;                  // [H]: the sum of e^(score - mx) so far
+  std::fill(acc, acc + H * D, 0.f);
+  std::fill(mx, mx + H, -INFINITY);
+  std::fill(sum, sum + H, 0.f);
   const float* rows[16];
   Tile tile;
-  const int64_t row_bytes = stride * sizeof(S);
-  for (int64_t a = 0; a < kAhead; ++a) prefetch_tile(k_cache, table, 16 * a, L, block_size, row_bytes);
-  // pass 1: scores, 16 tokens x one query head per reduction
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     tile.fill(table, t0, L, block_size);
-    const int64_t ahead = t0 + 16 * kAhead;     // past the end of K: V's first tiles
-    if (ahead < L) prefetch_tile(k_cache, table, ahead, L, block_size, row_bytes);
-    else prefetch_tile(v_cache, table, ahead - (L + 15) / 16 * 16, L, block_size, row_bytes);
+    prefetch_tile(k_cache, v_cache, table, t0 + 16 * kAhead, L, block_size, row_bytes);
     const __mmask16 valid = __mmask16((1u << tile.n) - 1);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      float ks[16];
-      for (int j = 0; j < 16; ++j)
-        ks[j] = scale * (k_scale && j < tile.n ? k_scale[tile.slots[j] * KVH + kvh] : 1.f);
-      const __m512 mult = _mm512_loadu_ps(ks);
+      float ks[16], vs[16];
+      if constexpr (Scaled) {
+        for (int j = 0; j < 16; ++j) {
+          const int64_t at = tile.slots[std::min(j, tile.n - 1)] * KVH + kvh;
+          ks[j] = scale * k_scale[at];
+          vs[j] = v_scale[at];
+        }
+      }
+      const __m512 mult = Scaled ? _mm512_loadu_ps(ks) : _mm512_set1_ps(scale);
       const S* kpool = k_cache + kvh * D;
-      bool in_place = false;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<S, c10::BFloat16>) {
-        if (qb) {
-          in_place = true;
-          const S* krows[16];
-          for (int j = 0; j < 16; ++j) krows[j] = kpool + tile.slots[std::min(j, tile.n - 1)] * stride;
-          for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
-            _mm512_storeu_ps(scores + h * Lp + t0, _mm512_mask_blend_ps(valid,
-                _mm512_set1_ps(-INFINITY), _mm512_mul_ps(scores16_bf16<D>(qb + h * D, krows), mult)));
-        }
-      }
-#endif
-      if (!in_place) {
+      const S* krows[16];
+      if constexpr (InPlace) {
+        for (int j = 0; j < 16; ++j) krows[j] = kpool + tile.slots[std::min(j, tile.n - 1)] * stride;
+      } else {
         tile_rows<S, D>(kpool, tile.slots, tile.n, stride, buf, rows);
-        for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h)
-          _mm512_storeu_ps(scores + h * Lp + t0, _mm512_mask_blend_ps(valid,
-              _mm512_set1_ps(-INFINITY), _mm512_mul_ps(scores16<D>(q + h * D, rows), mult)));
       }
-    }
-  }
-  // softmax per query head on whole vectors; a padding lane's e^ is masked to 0
-  for (int64_t h = 0; h < H; ++h) {
-    float* s = scores + h * Lp;
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < Lp; t += 16) {
-      const __mmask16 live = t + 16 <= L ? __mmask16(0xFFFF) : __mmask16((1u << (L - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mx)));
-      _mm512_storeu_ps(s + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-    for (int64_t t = 0; t < Lp; t += 16)
-      _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
-  }
-  // pass 2: out = P V, each tile's V rows widened once for the g heads that read them
-  std::fill(out, out + H * D, 0.f);
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    tile.fill(table, t0, L, block_size);
-    prefetch_tile(v_cache, table, t0 + 16 * kAhead, L, block_size, row_bytes);
-    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      tile_rows<S, D>(v_cache + kvh * D, tile.slots, tile.n, stride, buf, rows);
-      float vs[16];
-      for (int j = 0; j < tile.n; ++j) vs[j] = v_scale ? v_scale[tile.slots[j] * KVH + kvh] : 1.f;
       for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h) {
+        __m512 raw;
+#if defined(__AVX512BF16__)
+        if constexpr (InPlace) raw = scores16_bf16<D>(qb + h * D, krows);
+        else
+#endif
+        raw = scores16<D>(q + h * D, rows);
+        const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                              _mm512_mul_ps(raw, mult));
+        // online softmax: a new largest score shrinks what was summed so far by e^(old - new)
+        const float m_new = std::max(mx[h], _mm512_reduce_max_ps(s));
+        const float shrink = std::exp(mx[h] - m_new);       // 0 on the first tile
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        sum[h] = sum[h] * shrink + _mm512_reduce_add_ps(e);
+        mx[h] = m_new;
+        alignas(64) float p[16];
+        _mm512_store_ps(p, e);
         __m512 o[C];
-        for (int c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(out + h * D + c * 16);
-        const float* p = scores + h * Lp + t0;
+        for (int c = 0; c < C; ++c)
+          o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c * 16), _mm512_set1_ps(shrink));
         for (int j = 0; j < tile.n; ++j) {
-          const __m512 pj = _mm512_set1_ps(p[j] * vs[j]);
-          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(rows[j] + c * 16), o[c]);
+          const __m512 pj = _mm512_set1_ps(Scaled ? p[j] * vs[j] : p[j]);
+          __m512 v[C];
+          v_row<S, D>(v_cache + tile.slots[j] * stride + kvh * D, v);
+          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(pj, v[c], o[c]);
         }
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + h * D + c * 16, o[c]);
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + c * 16, o[c]);
       }
     }
   }
+  for (int64_t h = 0; h < H; ++h) in_order<S, D>(acc + h * D, 1.f / sum[h], out + h * D);
 }
 
 template <typename S, int D>
@@ -308,14 +341,30 @@ static void decode_fast(const float* q, const c10::BFloat16* qb, const S* k_cach
                         const float* v_scale, const int32_t* tables, const int32_t* lens,
                         float* out, int64_t B, int64_t H, int64_t KVH, int64_t block_size,
                         int64_t table_width, double scale) {
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  const int64_t row_bytes = KVH * D * int64_t(sizeof(S));
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(H * ((max_len + 15) / 16 * 16)), buf(16 * D);
-    for (int64_t b = begin; b < end; ++b)
-      decode_seq<S, D>(q + b * H * D, qb ? qb + b * H * D : nullptr, k_cache, v_cache, k_scale, v_scale, tables + b * table_width,
-                       lens[b], H, KVH, block_size, float(scale), out + b * H * D, scores.data(),
-                       buf.data());
+    std::vector<float> state(H * D + 2 * H), buf(16 * D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t a = 0; a < kAhead && b + 1 < end; ++a) {   // the next sequence's first tiles
+        const int32_t* next = tables + (b + 1) * table_width;
+        prefetch_tile(k_cache, v_cache, next, 16 * a, lens[b + 1], block_size, row_bytes);
+      }
+      auto seq = [&](auto in_place, auto scaled) {
+        decode_seq<S, D, decltype(in_place)::value, decltype(scaled)::value>(
+            q + b * H * D, qb ? qb + b * H * D : nullptr, k_cache, v_cache, k_scale, v_scale,
+            tables + b * table_width, lens[b], H, KVH, block_size, float(scale), out + b * H * D,
+            state.data(), buf.data());
+      };
+      using yes = std::true_type;
+      using no = std::false_type;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<S, c10::BFloat16>) {
+        if (qb && !k_scale) { seq(yes(), no()); continue; }
+      }
+#endif
+      if (k_scale) seq(no(), yes());
+      else seq(no(), no());
+    }
   });
 }
 #endif  // __AVX512F__
