@@ -278,7 +278,8 @@ static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache
   float* mx = state + H * D;            // [H]: the largest score so far
   float* sum = mx + H;                  // [H]: the sum of e^(score - mx) so far
   std::fill(acc, acc + H * D, 0.f);
-  std::fill(mx, mx + H, -INFINITY);
+  // finite, not -inf: -ffast-math assumes no infinity reaches std::exp (e^(-1e30 - m) is 0)
+  std::fill(mx, mx + H, -1e30f);
   std::fill(sum, sum + H, 0.f);
   const float* rows[16];
   Tile tile;
@@ -314,7 +315,7 @@ static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache
                                               _mm512_mul_ps(raw, mult));
         // online softmax: a new largest score shrinks what was summed so far by e^(old - new)
         const float m_new = std::max(mx[h], _mm512_reduce_max_ps(s));
-        const float shrink = std::exp(mx[h] - m_new);       // 0 on the first tile
+        const float shrink = std::exp(mx[h] - m_new);   // 0 on the first tile
         const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
         sum[h] = sum[h] * shrink + _mm512_reduce_add_ps(e);
         mx[h] = m_new;
