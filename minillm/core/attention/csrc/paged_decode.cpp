@@ -98,8 +98,9 @@ static void decode_kernel(const T* q, const S* k_cache, const S* v_cache, const 
 // the prefetches now reach the machine code (see prefetch_l2). Against the two-pass kernel of
 // commit 8f128cf, both built here and called alternately in one process (128 rows, SmolLM2's
 // shape, 30 pools read from memory, 2 threads): bf16 1.3-1.45x faster at 155 tokens of context,
-// 1.4-1.55x at 600; fp32 1.24x and 1.41x; an int8 pool (rung 9) 1.65-1.74x at 155. The blocks sit anywhere in the pool, so the next tiles
-// -- and the next sequence's first ones -- are asked for ahead.
+// 1.4-1.55x at 600; fp32 1.24x and 1.41x; an int8 pool (rung 9) 1.65-1.74x at 155. The blocks
+// sit anywhere in the pool, so the next tiles -- and the next sequence's first ones -- are asked
+// for ahead.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
