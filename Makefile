@@ -46,12 +46,11 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "note: tests/test_browser.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
 
-# test-fast runs on two worker processes (pytest-xdist), one torch thread each (tests/conftest.py):
-# on a 2-core machine about 1.8x faster than one process with two threads. `make test` (what CI
-# runs) stays in one process unless TEST_JOBS=2 is given: in parallel it took 26-34 min instead of
-# ~42, but once two multi-process tests at once left a group of worker ranks unformed (tests marked
-# xdist_group("ranks") now share one worker; see docs/TESTING.md).
-TEST_JOBS ?= 0
+# Both tiers run on two worker processes (pytest-xdist), one torch thread each (tests/conftest.py):
+# on a 2-core machine about 1.8x faster than one process with two threads (make test: ~25 min
+# instead of ~45). The files that start worker ranks share one worker (xdist_group("ranks")): once,
+# two of them at once left a group of ranks unformed. TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 FAST_JOBS ?= 2
 
 test: setup browser

@@ -25,7 +25,7 @@ from test_pipeline import (ROOMY, TIGHT, assert_same_as_paged, reference, reques
                            shared_prefix_prompts)
 
 # slow: two processes per engine: not in make test-fast. One xdist group (`--dist loadgroup`): under
-# `make test TEST_JOBS=2`, two files of worker ranks at once (7 processes on 2 cores) once
+# `make test` (two xdist workers), two files of worker ranks at once (7 processes on 2 cores) once
 # left a group unformed after 300 s.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]
 

@@ -4,7 +4,7 @@ Each kind of cheat a student pass tried (on exercises 06, 08 and 09) is rejected
 each wrong solution the old graders passed, or that ended in a raw error, now fails the test
 written for it with a message naming the mistake; the ranks exercises 10 and 11 spawn run the
 student's file; a correct solution written differently from the reference passes; a class of
-five is graded in one command."""
+seven is graded in one command."""
 from __future__ import annotations
 
 import re
@@ -243,8 +243,12 @@ def test_an_honest_solution_passes(tmp_path):
     assert done.review["copy"] is None and not done.review["lines"]
 
 
-def test_a_class_of_five_in_one_command(tmp_path, capsys):
+def test_a_class_in_one_command(tmp_path, capsys):
+    """Seven students, one command: an honest solution, a cheat, a hole, an honest mistake, a
+    copy, a file that does not parse and nobody's file; the CSV and JUnit reports."""
+    import csv
     import time
+    import xml.etree.ElementTree as ET
 
     from minillm.lab.teacher import grade_class, table
     ex = EXERCISES["08"]
@@ -257,15 +261,27 @@ def test_a_class_of_five_in_one_command(tmp_path, capsys):
         "dan": honest("08", HONEST_08 | {"Score.preempts": "return self.score(victim) >= "
                       "self.score(candidate) + self.margin"}, tmp_path),        # honest wrong
         "eve": with_no_ops("08"),                                               # a copy
+        # os._exit before the __future__ import: refused before any process starts
+        "fay": "import os\nos._exit(0)\n" + skeleton("08", tmp_path),
     }
     cls = tmp_path / "class"
     for name, text in sources.items():
         (cls / name / "08").mkdir(parents=True)
         (cls / name / "08" / ex.file_name).write_text(text)
+    (cls / "gus").mkdir()                                       # handed in nothing
     t = time.perf_counter()
     grades = grade_class(cls, ["08"], tmp_path / "grades", progress=lambda *_: None)
-    per_student = (time.perf_counter() - t) / len(sources)
+    per_student = (time.perf_counter() - t) / (len(sources) - 1)   # fay's never ran
     by = {g.student: g for g in grades}
+    assert not by["fay"].passed and by["fay"].points == 0 and "syntax error, line" in by["fay"].reason
+    assert not by["gus"].passed and by["gus"].reason == f"no 08/{ex.file_name}"
+    rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
+    assert [(r["student"], r["passed"], r["copy"]) for r in rows] == [
+        ("ann", "1", "0"), ("bob", "0", "0"), ("cat", "0", "0"), ("dan", "0", "0"),
+        ("eve", "0", "1"), ("fay", "0", "0"), ("gus", "0", "0")]
+    suites = ET.parse(tmp_path / "grades.xml").getroot()
+    assert [s.get("name") for s in suites] == ["ann", "bob", "cat", "dan", "eve", "fay", "gus"]
+    assert [s.get("failures") for s in suites] == ["0", "1", "1", "1", "1", "1", "1"]
     assert by["ann"].passed and by["ann"].points == 1.0
     assert by["ann"].tests_run == by["ann"].tests_total >= 14
     assert by["bob"].points == 0 and "ended" in by["bob"].reason and by["bob"].review
@@ -274,6 +290,7 @@ def test_a_class_of_five_in_one_command(tmp_path, capsys):
         assert not g.passed and g.tests_run == g.tests_total and 0 < g.points < 1, g
         assert "strict_preemption" in g.reason
     assert by["eve"].points == 0 and by["eve"].copy and "near-copy" in by["eve"].reason
+    assert by["eve"].tests_run == by["eve"].tests_total, "a copy is still graded in full"
     text = table(grades)
     assert "✓ 1.00 14/14" in text and "copy" in text and "[os._exit]" in text
     with capsys.disabled():

@@ -26,7 +26,7 @@ from minillm.engines.r7_pipeline.timeline import KINDS, summarize
 from minillm.lab.reference import random_prompts
 
 # slow: worker processes per engine: not in make test-fast. One xdist group (`--dist loadgroup`): under
-# `make test TEST_JOBS=2`, two files of worker ranks at once (7 processes on 2 cores) once
+# `make test` (two xdist workers), two files of worker ranks at once (7 processes on 2 cores) once
 # left a group unformed after 300 s.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]
 
