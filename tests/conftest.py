@@ -41,6 +41,21 @@ def smol():
     return load_model("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def hf_ref():
+    """``hf_greedy`` computed once per test process for each (model, prompt, length): the
+    engines and KV formats that a test is parametrized over are compared with the same HF run,
+    not one each (SmolLM2's 24-32 tokens take ~1 s per prompt)."""
+    cache: dict = {}
+
+    def ref(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False):
+        key = (id(model), tuple(prompt_ids), max_new_tokens, stop_at_eos)
+        if key not in cache:       # the model is kept with its answer: its id is not reused
+            cache[key] = (model, hf_greedy(model, list(prompt_ids), max_new_tokens, stop_at_eos))
+        return cache[key][1]
+    return ref
+
+
 def engine_params(names) -> list:
     """Engine names as test parameters; the engines that start worker processes (pipeline,
     tensor, disagg) are marked slow: ``make test-fast`` runs no multi-process test."""

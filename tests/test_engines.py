@@ -69,12 +69,12 @@ CHATS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["naive", "static", "dynamic", "paged"])
-def test_smollm2_chat_matches_hf(smol, engine):
+def test_smollm2_chat_matches_hf(smol, engine, hf_ref):
     llm = LLM(smol, engine=engine)
     prompts = [[{"role": "user", "content": c}] for c in CHATS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24))
     for c, out, ids in zip(CHATS, outs, [llm.encode(p) for p in prompts]):
-        ref = hf_greedy(smol, ids, 24, stop_at_eos=True)
+        ref = hf_ref(smol, ids, 24, stop_at_eos=True)
         assert_greedy_match(out.token_ids, ref, label=f"{engine}: {c}")
         assert out.text.strip(), "a chat answer should not be empty"
 

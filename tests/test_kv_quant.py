@@ -286,12 +286,13 @@ def test_server_serves_an_int8_cache_and_counts_its_real_bytes(tiny):
 
 # --- accuracy, on the real model ------------------------------------------------------------------
 @pytest.mark.parametrize("name,tie_tol", [("float16", 1e-3), ("bfloat16", 2e-2)])
-def test_16_bit_cache_gives_hf_greedy_tokens_within_the_near_tie_rule(smol, name, tie_tol):
+def test_16_bit_cache_gives_hf_greedy_tokens_within_the_near_tie_rule(smol, name, tie_tol,
+                                                                      hf_ref):
     """A 16-bit cache is a cast: fp16 keeps 11 significant bits and flips no more than fp32's
     batch shapes do (the usual 1e-3 rule); bf16 keeps 8, its K/V are off by up to 2^-9 relative,
     which moves logits by up to ~1e-2 here (measured on 32 chat prompts x 64 tokens: 3 flips
     beyond fp32's, at HF margins 0.002-0.018) -- so its near-tie is 2e-2."""
-    from minillm.lab.reference import assert_greedy_match, hf_greedy
+    from minillm.lab.reference import assert_greedy_match
     from minillm.workload import load_prompts
 
     llm = LLM(smol, engine="paged", kv_cache_dtype=name)
@@ -299,7 +300,7 @@ def test_16_bit_cache_gives_hf_greedy_tokens_within_the_near_tie_rule(smol, name
     outs = llm.generate([{"prompt_token_ids": i} for i in ids],
                         SamplingParams(max_tokens=32, temperature=0), progress=False)
     for i, (prompt, out) in enumerate(zip(ids, outs)):
-        assert_greedy_match(out.token_ids, hf_greedy(smol, prompt, 32, stop_at_eos=True),
+        assert_greedy_match(out.token_ids, hf_ref(smol, prompt, 32, stop_at_eos=True),
                             tie_tol=tie_tol, label=f"{name} prompt {i}")
 
 

@@ -107,11 +107,10 @@ def test_greedy_equals_paged_and_hf(tiny, case, method, config):
     assert_pool_full(spec.engine)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_smollm2_greedy_equals_paged(smol, method):
-    """The real model, copy-heavy and chat requests, a pool small enough to preempt and prefix
-    caching on: speculation changes no token."""
+@pytest.fixture(scope="module")
+def smol_plain(smol):
+    """Copy-heavy and chat requests, a pool small enough to preempt with prefix caching on, and
+    the plain paged engine's tokens for them: computed once for both methods below."""
     from minillm.workload import make_copy_workload, make_workload, to_requests
 
     items = make_copy_workload(3, seed=1, lengths=(24, 24)) + make_workload(
@@ -122,9 +121,20 @@ def test_smollm2_greedy_equals_paged(smol, method):
             "enable_prefix_caching": True, "max_num_batched_tokens": 128}
     plain = LLM(smol, engine="paged", **opts)
     base = plain.run(to_requests(plain, items))
+    return items, opts, [o.token_ids for o in base.outputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_greedy_equals_paged(smol, smol_plain, method):
+    """The real model, copy-heavy and chat requests, a pool small enough to preempt and prefix
+    caching on: speculation changes no token."""
+    from minillm.workload import to_requests
+
+    items, opts, base = smol_plain
     spec = LLM(smol, engine="paged", speculative=method, num_speculative_tokens=4, **opts)
     res = spec.run(to_requests(spec, items))
-    assert [o.token_ids for o in res.outputs] == [o.token_ids for o in base.outputs]
+    assert [o.token_ids for o in res.outputs] == base
     assert res.metrics.num_preemptions > 0 and res.steps[-1].prefix_hit_tokens > 0
     assert res.metrics.extra["speculative"]["num_accepted"] > 0
     assert_pool_full(spec.engine)
