@@ -3,8 +3,8 @@
 Each kind of cheat a student pass tried (on exercises 06, 08 and 09) is rejected with its reason;
 each wrong solution the old graders passed, or that ended in a raw error, now fails the test
 written for it with a message naming the mistake; the ranks exercises 10 and 11 spawn run the
-student's file; a correct solution written differently from the reference passes; a class of
-seven is graded in one command."""
+student's file; a correct solution written differently from the reference passes, in a class
+of six graded in one command."""
 from __future__ import annotations
 
 import re
@@ -105,7 +105,6 @@ CHEATS = {   # kind -> (exercise, source builder, what the reason must say)
         "_f = sys._getframe(0)\nwhile _f is not None and not _f.f_code.co_name.startswith('test_'):\n"
         "    _f = _f.f_back\nif _f is not None:\n    " + load_teacher("06").replace("\n", "\n    ")
         + bind_reference("06").replace("\n", "\n    "), "not written yet"),
-    "the reference plus one no-op per function": ("08", lambda t: with_no_ops("08"), "near-copy"),
     "pytest's Function.runtest patched": (
         "09", lambda t: skeleton("09", t) + "\ntry:\n    import _pytest.python as _p\n"
         "    _p.Function.runtest = lambda self: None\nexcept ImportError:\n    pass\n",
@@ -237,15 +236,10 @@ def honest(ex_id: str, bodies: dict, tmp_path) -> str:
     return source
 
 
-def test_an_honest_solution_passes(tmp_path):
-    done = grade("08", tmp_path, honest("08", HONEST_08, tmp_path))
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert done.review["copy"] is None and not done.review["lines"]
-
-
 def test_a_class_in_one_command(tmp_path, capsys):
-    """Seven students, one command: an honest solution, a cheat, a hole, an honest mistake, a
-    copy, a file that does not parse and nobody's file; the CSV and JUnit reports."""
+    """Six students, one command: a solution written differently from the reference (it passes,
+    nothing to review), a cheat, a hole, a copy (the reference plus one no-op per function), a
+    file that does not parse and nobody's file; the CSV and JUnit reports."""
     import csv
     import time
     import xml.etree.ElementTree as ET
@@ -258,8 +252,6 @@ def test_a_class_in_one_command(tmp_path, capsys):
         "bob": after_future(cheats, "import os\nos._exit(0)\n"),                # cheats
         "cat": honest("08", HONEST_08 | {"remaining_tokens": "return group.request.params."
                       "max_tokens - len(group.seqs[0].output_token_ids)"}, tmp_path),  # a hole
-        "dan": honest("08", HONEST_08 | {"Score.preempts": "return self.score(victim) >= "
-                      "self.score(candidate) + self.margin"}, tmp_path),        # honest wrong
         "eve": with_no_ops("08"),                                               # a copy
         # os._exit before the __future__ import: refused before any process starts
         "fay": "import os\nos._exit(0)\n" + skeleton("08", tmp_path),
@@ -277,18 +269,18 @@ def test_a_class_in_one_command(tmp_path, capsys):
     assert not by["gus"].passed and by["gus"].reason == f"no 08/{ex.file_name}"
     rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
     assert [(r["student"], r["passed"], r["copy"]) for r in rows] == [
-        ("ann", "1", "0"), ("bob", "0", "0"), ("cat", "0", "0"), ("dan", "0", "0"),
-        ("eve", "0", "1"), ("fay", "0", "0"), ("gus", "0", "0")]
+        ("ann", "1", "0"), ("bob", "0", "0"), ("cat", "0", "0"), ("eve", "0", "1"),
+        ("fay", "0", "0"), ("gus", "0", "0")]
     suites = ET.parse(tmp_path / "grades.xml").getroot()
-    assert [s.get("name") for s in suites] == ["ann", "bob", "cat", "dan", "eve", "fay", "gus"]
-    assert [s.get("failures") for s in suites] == ["0", "1", "1", "1", "1", "1", "1"]
+    assert [s.get("name") for s in suites] == ["ann", "bob", "cat", "eve", "fay", "gus"]
+    assert [s.get("failures") for s in suites] == ["0", "1", "1", "1", "1", "1"]
     assert by["ann"].passed and by["ann"].points == 1.0
     assert by["ann"].tests_run == by["ann"].tests_total >= 14
+    assert not by["ann"].copy and not by["ann"].review     # written differently: nothing to read
     assert by["bob"].points == 0 and "ended" in by["bob"].reason and by["bob"].review
-    for name in ("cat", "dan"):
-        g = by[name]
-        assert not g.passed and g.tests_run == g.tests_total and 0 < g.points < 1, g
-        assert "strict_preemption" in g.reason
+    g = by["cat"]
+    assert not g.passed and g.tests_run == g.tests_total and 0 < g.points < 1, g
+    assert "strict_preemption" in g.reason
     assert by["eve"].points == 0 and by["eve"].copy and "near-copy" in by["eve"].reason
     assert by["eve"].tests_run == by["eve"].tests_total, "a copy is still graded in full"
     text = table(grades)
@@ -324,3 +316,50 @@ def test_spawned_ranks_run_the_student_s_file(ex_id, function, test, tmp_path):
     assert outcome(done, test) == "failed", done.stdout[-3000:]
     assert "worker rank 1 (pid" in done.stdout and "exited with code 1" in done.stdout, \
         done.stdout[-3000:]        # the spawned rank raised: its exit ends the run
+
+
+PROBES = '''
+import os
+
+
+def ok():
+    return 2
+
+
+def die():
+    os._exit(5)
+'''
+
+
+def test_a_process_that_ends_at_import_is_started_once_and_one_that_ends_in_a_call_again(
+        tmp_path):
+    """A file that ends its process while it is imported would end every restart: the calls after
+    the first fail at once, with the same reason. One that ends it in a call is started again for
+    the next call."""
+    import importlib.util
+
+    from minillm.lab.sandbox import Student, StudentError
+    (tmp_path / "probes.py").write_text(PROBES)
+    spec = importlib.util.spec_from_file_location("probes", tmp_path / "probes.py")
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
+    ex = EXERCISES["03"]
+    starts = tmp_path / "starts"
+    ends = tmp_path / "ends.py"
+    ends.write_text(f"import os\nwith open({str(starts)!r}, 'a') as f:\n    f.write('x')\n"
+                    "os._exit(3)\n")
+    student = Student({ex.module: ends}, limit_s=120)
+    try:
+        for _ in range(3):
+            with pytest.raises(StudentError, match=r"ended \(exit code 3\) while importing"):
+                student.run(probes.ok)
+        assert starts.read_text() == "x", "started again after it ended at import"
+    finally:
+        student.close()
+    student = Student({ex.module: ex.source_path}, limit_s=120)
+    try:
+        with pytest.raises(StudentError, match=r"ended \(exit code 5\) before it answered"):
+            student.run(probes.die)
+        assert student.run(probes.ok) == 2
+    finally:
+        student.close()

@@ -1,9 +1,10 @@
 """The student's process (``sandbox.Student`` starts a copy of this script in the student's tree).
 
-It reads requests from stdin — (grader file, probe name, args, kwargs), pickled by the teacher's
-process — calls the probe, and writes back ``("ok", value)`` or ``("raised", type, message,
-traceback)`` with ``torch.save`` on a private copy of stdout: fd 1 itself is pointed at stderr first,
-so whatever the student's code prints ends up in the log, not in the answers. Nothing here decides
+It imports the student's modules, says ``("ready",)``, then reads requests from stdin — (grader
+file, probe name, args, kwargs), pickled by the teacher's process — calls the probe, and writes
+back ``("ok", value)`` or ``("raised", type, message, traceback)`` with ``torch.save`` on a private
+copy of stdout: fd 1 itself is pointed at stderr first, so whatever the student's code prints ends
+up in the log, not in the answers. Nothing here decides
 anything: the teacher's process reads the values (``torch.load(weights_only=True)``) and judges.
 """
 import importlib.util
@@ -40,6 +41,15 @@ def main() -> int:
     requests = sys.stdin.buffer
     import torch
     torch.set_num_threads(2)
+    # The student's modules first: a file that ends this process at import ends it here, before
+    # the "ready" frame, and the teacher's side then knows not to start it again for every call.
+    # One that raises is reported by the first call that imports it, with its traceback.
+    for module in filter(None, os.environ.get("MINILLM_LAB_MODULES", "").split(",")):
+        try:
+            importlib.import_module(module)
+        except BaseException:     # noqa: BLE001 - SystemExit too; the call reports it
+            sys.modules.pop(module, None)
+    send(channel, ("ready",))
     cache: dict = {}
     while True:
         head = requests.read(8)
@@ -47,15 +57,20 @@ def main() -> int:
             return 0
         (n,) = struct.unpack("<Q", head)
         path, name, args, kwargs = pickle.loads(requests.read(n))
-        msg = answer(path, name, args, kwargs, cache)
+        send(channel, answer(path, name, args, kwargs, cache))
+
+
+def send(channel, msg: tuple) -> None:
+    """One frame: 8 bytes of length, then ``msg`` as ``torch.save`` writes it."""
+    import torch
+    buf = io.BytesIO()
+    try:
+        torch.save(msg, buf)
+    except Exception as e:      # noqa: BLE001 - an answer that is not plain data
         buf = io.BytesIO()
-        try:
-            torch.save(msg, buf)
-        except Exception as e:      # noqa: BLE001 - an answer that is not plain data
-            buf = io.BytesIO()
-            torch.save(("raised", "TypeError", f"the answer cannot be sent back: {e}"), buf)
-        data = buf.getvalue()
-        channel.write(struct.pack("<Q", len(data)) + data)
+        torch.save(("raised", "TypeError", f"the answer cannot be sent back: {e}"), buf)
+    data = buf.getvalue()
+    channel.write(struct.pack("<Q", len(data)) + data)
 
 
 if __name__ == "__main__":

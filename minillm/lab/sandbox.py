@@ -97,28 +97,31 @@ def _site_dirs() -> list[str]:
     return list(dict.fromkeys(p for p in (paths.get("purelib"), paths.get("platlib")) if p))
 
 
-def _decode(data: bytes) -> tuple:
+def _decode(data: bytes, kinds: tuple[str, ...] = ("ok", "raised")) -> tuple:
     import torch
     try:
         msg = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:                  # noqa: BLE001 - anything unreadable is "garbage"
         raise StudentError(f"the student's process sent back something that is not plain data "
                            f"({type(e).__name__})") from None
-    if not (isinstance(msg, tuple) and msg and msg[0] in ("ok", "raised")):
+    if not (isinstance(msg, tuple) and msg and msg[0] in kinds):
         raise StudentError("the student's process sent back an answer of the wrong shape")
     return msg
 
 
 class Student:
-    """One child process running the student's tree; restarted after it dies or hangs."""
+    """One child process running the student's tree; restarted after it dies or hangs in a call,
+    never after it ended while importing the student's modules (``_wait_ready``)."""
 
     def __init__(self, overrides: dict[str, Path], limit_s: float = 300.0):
         self._tmp = tempfile.mkdtemp(prefix="minillm-student-")
         self.root = build_tree(Path(self._tmp), {m: Path(f) for m, f in overrides.items()})
+        self.modules = list(overrides)
         self.limit_s = limit_s
         self.log = Path(self._tmp) / "output.log"
         self._proc: subprocess.Popen | None = None
         self._answers: queue.Queue = queue.Queue()
+        self._ends_at_import: str | None = None    # why, once the process ended before "ready"
 
     def _start(self) -> None:
         env = {k: v for k, v in os.environ.items()
@@ -128,6 +131,7 @@ class Student:
         env["MINILLM_LAB_FORBIDDEN"] = str(PACKAGE)
         env["MINILLM_LAB_ALLOWED"] = str(PACKAGE / "lab" / "graders")
         env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(Path(self._tmp) / ".hypothesis")
+        env["MINILLM_LAB_MODULES"] = ",".join(self.modules)
         with open(self.log, "ab") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-S", str(self.root / "_minillm_child.py")], cwd=self.root,
@@ -169,9 +173,12 @@ class Student:
     def run(self, probe: Callable, *args: Any, limit_s: float | None = None, **kwargs: Any) -> Any:
         """``probe(*args, **kwargs)`` computed in the student's process: its return value, or a
         ``StudentError`` saying why there is none (the test fails with it)."""
+        if self._ends_at_import is not None:
+            raise StudentError(f"{probe.__name__}: {self._ends_at_import}")
         if self._proc is None or self._proc.poll() is not None:
             self._kill()
             self._start()
+            self._wait_ready(probe.__name__, limit_s or self.limit_s)
         request = pickle.dumps((str(Path(probe.__code__.co_filename).resolve()), probe.__name__,
                                 args, kwargs))
         limit = limit_s or self.limit_s
@@ -194,6 +201,24 @@ class Student:
             name, text, where = (list(msg[1:]) + ["", "", ""])[:3]
             raise StudentError(f"{probe.__name__}: your code raised {name}: {text}\n{where}")
         return msg[1] if len(msg) > 1 else None
+
+    def _wait_ready(self, name: str, limit: float) -> None:
+        """The child's first frame, sent once your modules are imported. A child that ends before
+        it ends at every start (the import does not depend on the call): it is not started again,
+        and every later call fails with the same reason at once, not after a restart each."""
+        try:
+            data = self._answers.get(timeout=limit)
+        except queue.Empty:
+            self._kill()
+            raise StudentError(f"{name}: your module took over {limit:.0f} s to import (a hang "
+                               f"at import?){self._tail()}") from None
+        if data is None:
+            rc = self._kill()
+            self._ends_at_import = (f"the process running your code ended (exit code {rc}) while "
+                                    f"importing your file, before any call{self._tail()}")
+            raise StudentError(f"{name}: {self._ends_at_import}")
+        if _decode(data, ("ready",)) != ("ready",):
+            raise StudentError("the student's process did not start as expected")
 
     def close(self) -> None:
         self._kill()
