@@ -4,8 +4,8 @@ It imports the student's modules, says ``("ready",)``, then reads requests from 
 file, probe name, args, kwargs), pickled by the teacher's process — calls the probe, and writes
 back ``("ok", value)`` or ``("raised", type, message, traceback)`` with ``torch.save`` on a private
 copy of stdout: fd 1 itself is pointed at stderr first, so whatever the student's code prints ends
-up in the log, not in the answers. Nothing here decides
-anything: the teacher's process reads the values (``torch.load(weights_only=True)``) and judges.
+up in the log, not in the answers. Nothing here decides anything: the teacher's process reads the
+values (``torch.load(weights_only=True)``) and judges.
 """
 import importlib.util
 import io
