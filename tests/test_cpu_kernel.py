@@ -77,6 +77,26 @@ def test_wide_heads_equal_textbook_attention(head_dim, block_size, q_dtype, pool
     assert rel_err(out.float(), dense) <= (1e-5 if q_dtype == torch.float32 else 2 ** -7)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (6, 2), (8, 2), (10, 2), (16, 2)])
+def test_bf16_query_heads_in_groups_of_any_size(head_dim, heads, kv_heads):
+    """A bf16 query on a bf16 pool sums V for up to 4 query heads at once (2 at head_dim 128),
+    two tokens per instruction with the weights rounded to bf16: groups of 1-8 heads split into
+    those chunks, odd tiles pair their last token with a weight of zero, and the pool past every
+    context is NaN."""
+    torch.manual_seed(heads + head_dim)
+    lens = [1, 2, 15, 17, 33, 64]
+    kv = PagedKV(lens, 16, kv_heads, head_dim=head_dim)
+    q = torch.randn(len(lens), heads, head_dim).to(torch.bfloat16)
+    out = CppAttention().kernel.paged_decode(q, kv.k_nan.to(torch.bfloat16),
+                                             kv.v_nan.to(torch.bfloat16), None, None, kv.tables,
+                                             kv.context_lens, SCALE)
+    dense = torch.cat([dense_attention(q[b:b + 1].float(), kv.k_dense[b].bfloat16().float(),
+                                       kv.v_dense[b].bfloat16().float(), [n - 1])
+                       for b, n in enumerate(lens)])
+    assert rel_err(out.float(), dense) <= 2 ** -7
+
+
 def test_bad_tables_are_errors_not_reads_outside_the_pool():
     kv = PagedKV([5, 9], 4, 2)
     q = torch.randn(2, 4, kv.k_ref.shape[-1])

@@ -182,27 +182,33 @@ struct Tile {
 // module: 0 prefetch instructions).
 static inline void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
 
-// Ask for the K and V rows of the tile at t0 (if any) some tiles before they are needed: blocks
-// sit anywhere in the pool, so the hardware cannot guess where the next one starts, and one
-// tile's arithmetic is too short to cover a trip to memory. A token's K and V rows are asked for
-// together, in the order the tile will read them.
+// Ask for the K and V rows of the tile at t0 (if any) before they are needed: blocks sit anywhere
+// in the pool, so the hardware cannot guess where the next one starts, and one tile's arithmetic
+// is too short to cover a trip to memory. Bytes [from, to) of each token's rows: one KV head's
+// part, asked for while the same head of the tile before is computed, so the requests are spread
+// over the tile's arithmetic. Issued all at once per tile (192 lines at SmolLM2's shape), they
+// filled the core's queue of misses and the kernel waited on its own prefetches (perf: 14% of
+// its samples on prefetcht1).
 template <typename S>
 static inline void prefetch_tile(const S* k_pool, const S* v_pool, const int32_t* table,
-                                 int64_t t0, int64_t L, int64_t block_size, int64_t row_bytes) {
+                                 int64_t t0, int64_t L, int64_t block_size, int64_t row_bytes,
+                                 int64_t from = 0, int64_t to = -1) {
+  if (to < 0) to = row_bytes;
   for (int64_t t = t0; t < std::min<int64_t>(L, t0 + 16); ++t) {
     const int64_t off = (int64_t(table[t / block_size]) * block_size + t % block_size) * row_bytes;
     const char* k = reinterpret_cast<const char*>(k_pool) + off;
     const char* v = reinterpret_cast<const char*>(v_pool) + off;
-    for (int64_t o = 0; o < row_bytes; o += 64) {
+    for (int64_t o = from; o < to; o += 64) {
       prefetch_l2(k + o);
       prefetch_l2(v + o);
     }
   }
 }
-// Two tiles ahead, into L2 (T1): K and V of a 16-token block are 12 KB at SmolLM2's shape, so
-// more in flight, or into L1, evicts the tile being computed (measured on the one-pass kernel,
-// bf16, 128 x 155: 2 tiles faster than 1 with T0 hints, than 4 or 8 with T1; T1 faster than T0).
-constexpr int64_t kAhead = 2;
+// One tile ahead, into L2 (T1). Spread per KV head (above), one tile ahead beat two and three
+// (bf16, 128 x 155, 30 pools, 2 threads: 1120 vs 1289 and 1333 us per layer, one run); issued per
+// tile, two had beaten one, four and eight, and T1 had beaten T0 (K and V of a 16-token block are
+// 12 KB here: more in flight, or into L1, evicts the tile being computed).
+constexpr int64_t kAhead = 1;
 
 // 16 scores of one query head against one tile's K rows, fp32 arithmetic.
 template <int D>
@@ -252,6 +258,81 @@ static inline void v_row(const S* v, __m512* out) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// A bf16 model's weighted sum of V, two tokens per instruction (vdpbf16ps), into NH query heads
+// at once. Tokens 2k and 2k+1's rows are interleaved (unpacklo/hi: the same lane order as v_row's,
+// so `in_order` applies), and each head's weights for them are one 32-bit pair of bf16 numbers:
+// o += p[2k] v[2k] + p[2k+1] v[2k+1]. Each V row is read and interleaved once for all NH heads --
+// the loop above it widens it once per head -- and half as many multiply-adds are issued. The
+// weights are rounded to bf16 first, as Hugging Face's bf16 attention rounds its softmax before
+// multiplying by V; the sums stay fp32. An odd tile's last pair repeats a valid row (weight 0):
+// the pool past a context may hold anything, NaN included.
+template <int D, int NH>
+static inline void pv_bf16(const c10::BFloat16* vpool, const int64_t* slots, int n, int64_t stride,
+                           const uint32_t (*w)[8], const float* shrink, float* acc) {
+  constexpr int C = D / 16;
+  __m512 o[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c)
+      o[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c * 16), _mm512_set1_ps(shrink[h]));
+  for (int k = 0; k < (n + 1) / 2; ++k) {
+    const c10::BFloat16* a = vpool + slots[2 * k] * stride;
+    const c10::BFloat16* b = vpool + slots[std::min(2 * k + 1, n - 1)] * stride;
+    __m512bh wk[NH];
+    for (int h = 0; h < NH; ++h) wk[h] = (__m512bh)_mm512_set1_epi32(int(w[h][k]));
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(ra, rb);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(ra, rb);
+      for (int h = 0; h < NH; ++h) {
+        o[h][2 * c] = _mm512_dpbf16_ps(o[h][2 * c], wk[h], lo);
+        o[h][2 * c + 1] = _mm512_dpbf16_ps(o[h][2 * c + 1], wk[h], hi);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + c * 16, o[h][c]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// One tile against the g query heads h0.. of one KV head, for a bf16 query on a bf16 pool: the
+// scores in place, the online softmax, then pv_bf16 for up to MaxG heads at a time.
+template <int D>
+static inline void tile_heads_bf16(const c10::BFloat16* qb, const c10::BFloat16* const* krows,
+                                   const c10::BFloat16* vpool, const Tile& tile, __mmask16 valid,
+                                   float scale, int64_t h0, int64_t g, int64_t stride, float* mx,
+                                   float* sum, float* acc) {
+  constexpr int MaxG = D == 64 ? 4 : 2;   // MaxG x D/16 sums and a pair of rows in 32 registers
+  for (int64_t hc = h0; hc < h0 + g; hc += MaxG) {
+    const int nh = int(std::min<int64_t>(MaxG, h0 + g - hc));
+    uint32_t w[MaxG][8];
+    float shrink[MaxG];
+    for (int i = 0; i < nh; ++i) {
+      const int64_t h = hc + i;
+      const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(
+          scores16_bf16<D>(qb + h * D, krows), _mm512_set1_ps(scale)));
+      const float m_new = std::max(mx[h], _mm512_reduce_max_ps(s));
+      shrink[i] = std::exp(mx[h] - m_new);   // 0 on the first tile
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      const __m256i e16 = (__m256i)_mm512_cvtneps_pbh(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w[i]), e16);
+      // the sum of the rounded weights: what V is multiplied by, so they still sum to one
+      const __m512 er = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e16), 16));
+      sum[h] = sum[h] * shrink[i] + _mm512_reduce_add_ps(er);
+      mx[h] = m_new;
+    }
+    float* a = acc + hc * D;
+    if (nh == 1) pv_bf16<D, 1>(vpool, tile.slots, tile.n, stride, w, shrink, a);
+    else if (nh == 2) pv_bf16<D, 2>(vpool, tile.slots, tile.n, stride, w, shrink, a);
+    else if constexpr (MaxG == 4) {
+      if (nh == 3) pv_bf16<D, 3>(vpool, tile.slots, tile.n, stride, w, shrink, a);
+      else pv_bf16<D, 4>(vpool, tile.slots, tile.n, stride, w, shrink, a);
+    }
+  }
+}
+#endif
+
 template <typename S, int D>
 static inline void in_order(const float* acc, float inv, float* out) {
   if constexpr (std::is_same_v<S, c10::BFloat16>) {
@@ -287,9 +368,10 @@ static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache
   Tile tile;
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     tile.fill(table, t0, L, block_size);
-    prefetch_tile(k_cache, v_cache, table, t0 + 16 * kAhead, L, block_size, row_bytes);
     const __mmask16 valid = __mmask16((1u << tile.n) - 1);
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      prefetch_tile(k_cache, v_cache, table, t0 + 16 * kAhead, L, block_size, row_bytes,
+                    kvh * D * int64_t(sizeof(S)), (kvh + 1) * D * int64_t(sizeof(S)));
       float ks[16], vs[16];
       if constexpr (Scaled) {
         for (int j = 0; j < 16; ++j) {
@@ -303,6 +385,11 @@ static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache
       const S* krows[16];
       if constexpr (InPlace) {
         for (int j = 0; j < 16; ++j) krows[j] = kpool + tile.slots[std::min(j, tile.n - 1)] * stride;
+#if defined(__AVX512BF16__)
+        tile_heads_bf16<D>(qb, krows, v_cache + kvh * D, tile, valid, scale, kvh * g, g, stride,
+                           mx, sum, acc);
+        continue;
+#endif
       } else {
         tile_rows<S, D>(kpool, tile.slots, tile.n, stride, buf, rows);
       }
