@@ -93,7 +93,8 @@ static void decode_kernel(const T* q, const S* k_cache, const S* v_cache, const 
 //     other 16-bit and int8 rows are widened to fp32 once per tile;
 //   * exp is a vector polynomial (exp16); the running max rescales the head's output only when
 //     it grows;
-//   * the same tile's V rows are then added into the heads' outputs while they are in cache.
+//   * the same tile's V rows are then added into the heads' outputs while they are in cache;
+//     a bf16 model's are added two tokens per instruction for up to 4 heads at once (pv_bf16).
 // One pass instead of two (scores, then V) lets the K and V of one block stream together, and
 // the prefetches now reach the machine code (see prefetch_l2). Against the two-pass kernel of
 // commit 8f128cf, both built here and called alternately in one process (128 rows, SmolLM2's
