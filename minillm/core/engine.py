@@ -13,7 +13,8 @@ target keeps). Rung 6 (speculative decoding) is those two methods.
 from __future__ import annotations
 
 import time
-from typing import Hashable
+import weakref
+from typing import Callable, Hashable
 
 import torch
 from torch.profiler import record_function
@@ -37,6 +38,14 @@ from .sequence import Sequence
 
 MAX_IDLE_STEPS = 64     # steps in a row that schedule nothing before the engine calls it a livelock
 
+
+
+def weak_method(method: Callable) -> Callable:
+    """``method``, bound to an engine, for a part the engine owns to call back without keeping
+    the engine alive: a strong reference back is a reference cycle, and the engine's KV pool
+    would then wait for the garbage collector after its last user let it go."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 class PagedEngine(Engine):
     name = "paged"
@@ -77,7 +86,7 @@ class PagedEngine(Engine):
             num_blocks = cache.num_blocks_for(self.kv_bytes_per_token, self.max_model_len,
                                               limits.max_num_seqs)
             block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                         self.prefix_seed)
+                                         weak_method(self.prefix_seed))
         elif runner is None:
             raise ValueError("block_manager= replaces the KV layout the model runner reads: "
                              "pass a runner for it too")

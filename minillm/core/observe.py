@@ -26,6 +26,7 @@ engine and aborts the run's requests, so the pool is full again and the engine u
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Literal
@@ -57,9 +58,16 @@ class Observers:
     other phases of every step then cost it nothing."""
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        # A weak reference: the engine holds its observers (and its scheduler their ``emit``), so a
+        # strong one back would make a reference cycle, and an engine's KV pool (a GiB) would then
+        # wait for the garbage collector instead of going when its last user lets go of it.
+        self._engine = weakref.ref(engine)
         self._fns: list[tuple[Observer, frozenset]] = []
         self._by_phase: dict[str, list[Observer]] = {p: [] for p in PHASES}
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine()
 
     def __bool__(self) -> bool:
         return bool(self._fns)
@@ -104,6 +112,7 @@ class Observers:
         fns = self._by_phase[phase]
         if not fns:
             return
-        event = StepEvent(phase, self.engine.step_count + 1, self.engine, request_id, data)
+        engine = self.engine
+        event = StepEvent(phase, engine.step_count + 1, engine, request_id, data)
         for fn in fns:
             fn(event)
