@@ -3,6 +3,8 @@ textbook attention, and the paged engine's tokens with it. Same traps as the Tri
 (kvtools.PagedKV): shuffled blocks from a larger pool, NaN wherever no sequence lives."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from kvtools import SCALE, PagedKV, decode_lens, dense_attention, rel_err
 from minillm import LLM
 from minillm.engines import get_attention_backend
 from minillm.core.attention import cpp as cpu_attention
-from minillm.core.attention.reference import TorchAttention
+from minillm.core.attention.reference import AttentionMetadata, TorchAttention
 from minillm.core.attention.cpp import CppAttention, cpp_available
 
 pytestmark = pytest.mark.skipif(not cpp_available(), reason="the C++ kernel cannot be built here: "
@@ -95,6 +97,79 @@ def test_bf16_query_heads_in_groups_of_any_size(head_dim, heads, kv_heads):
                                        kv.v_dense[b].bfloat16().float(), [n - 1])
                        for b, n in enumerate(lens)])
     assert rel_err(out.float(), dense) <= 2 ** -7
+
+
+def _extend_here() -> bool:
+    return cpp_available() and CppAttention().kernel.extend_in_place()
+
+
+# (block size, query heads, KV heads): groups of 1, 3 and 16 query heads (the most it takes)
+EXTEND_SHAPES = [(1, 9, 3), (8, 3, 3), (16, 9, 3), (16, 32, 2), (32, 9, 3)]
+
+
+@pytest.mark.skipif(not _extend_here(), reason="paged_extend needs AVX512-BF16")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size,heads,kv_heads", EXTEND_SHAPES)
+def test_bf16_prefill_equals_textbook_attention(head_dim, block_size, heads, kv_heads):
+    """A bf16 model's prefill in the kernel (paged_extend): whole prompts and chunks after a
+    cached prefix, each query seeing the keys up to its own position, read through shuffled
+    blocks of a pool that is NaN wherever no sequence lives. Lengths sit on both sides of tile
+    and block edges; fp32 arithmetic on the bf16 numbers, the result rounded once."""
+    torch.manual_seed(head_dim + block_size + heads)
+    ctx = [1, 16, 17, 40, 33, 70]
+    q_lens = [1, 16, 5, 40, 1, 35]           # 5, 1 and 35: chunks after a cached prefix
+    kv = PagedKV(ctx, block_size, kv_heads, head_dim=head_dim)
+    q = torch.randn(sum(q_lens), heads, head_dim).to(torch.bfloat16)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    out = CppAttention().kernel.paged_extend(q, kv.k_nan.to(torch.bfloat16),
+                                             kv.v_nan.to(torch.bfloat16), kv.tables, cu,
+                                             kv.context_lens, SCALE)
+    dense = torch.cat([dense_attention(q[cu[s]:cu[s + 1]].float(),
+                                       kv.k_dense[s].bfloat16().float(),
+                                       kv.v_dense[s].bfloat16().float(), list(range(n - m, n)))
+                       for s, (n, m) in enumerate(zip(ctx, q_lens))])
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out.float(), dense) <= 2 ** -7
+
+
+@pytest.mark.skipif(not _extend_here(), reason="paged_extend needs AVX512-BF16")
+def test_bf16_prefill_is_the_kernels_and_bad_input_an_error():
+    """CppAttention.extend takes the kernel for a bf16 query on a bf16 pool (within one bf16
+    rounding of the torch reference), the torch path otherwise; a table that lists a block
+    outside the pool, or queries past their context, are errors, not reads."""
+    kv = PagedKV([20, 9], 16, 3, head_dim=64)
+    q = torch.randn(29, 9, kv.k_ref.shape[-1]).to(torch.bfloat16)
+    k, v = kv.k_ref.to(torch.bfloat16), kv.v_ref.to(torch.bfloat16)
+    slots = torch.cat(kv.slots)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode=0, decode_block_tables=kv.tables[:0],
+                             decode_context_lens=kv.context_lens[:0],
+                             prefill_block_tables=kv.tables,
+                             prefill_cu_seqlens_q=torch.tensor([0, 20, 29], dtype=torch.int32),
+                             prefill_context_lens=kv.context_lens, prefill_q_lens=[20, 9],
+                             prefill_ctx_lens=[20, 9])
+    k_new, v_new = k.view(-1, 3, k.shape[-1])[slots], v.view(-1, 3, v.shape[-1])[slots]
+    ref = TorchAttention().extend(q.float(), k_new.float(), v_new.float(), k.float(), v.float(),
+                                  meta, SCALE)
+    calls = []
+
+    class Counting:                   # the kernel, counting its prefill calls
+        def __getattr__(self, name):
+            if name == "paged_extend":
+                calls.append(name)
+            return getattr(CppAttention().kernel, name)
+    backend = CppAttention()
+    backend.kernel = Counting()
+    out = backend.extend(q, k_new, v_new, k, v, meta, SCALE)
+    assert calls and rel_err(out.float(), ref) <= 2 ** -7
+    backend.extend(q.float(), k_new.float(), v_new.float(), k.float(), v.float(), meta, SCALE)
+    assert len(calls) == 1, "an fp32 model prefills through torch"
+    bad = kv.tables.clone()
+    bad[1, 0] = k.shape[0] + 3
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        backend.kernel.paged_extend(q, k, v, bad, meta.prefill_cu_seqlens_q, kv.context_lens, SCALE)
+    with pytest.raises(RuntimeError, match="do not fit its table"):
+        backend.kernel.paged_extend(q, k, v, kv.tables, torch.tensor([0, 2, 29], dtype=torch.int32),
+                                    kv.context_lens, SCALE)
 
 
 def test_bad_tables_are_errors_not_reads_outside_the_pool():

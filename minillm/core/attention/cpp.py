@@ -4,7 +4,8 @@
 tensor, and SDPA then reads that copy: each context row is moved three times per layer and step.
 ``csrc/paged_decode.cpp`` follows the block table itself and reads each K/V row once, for all the
 query heads that share it -- on the CPU, what the Triton kernel of rung 4 does on a GPU. Prefill
-chunks (``extend``) keep the torch path: they are a small part of a serving step.
+chunks (``extend``) of a bf16 model on a bf16 pool go through the same source's ``paged_extend``
+where the CPU has AVX512-BF16; every other prefill keeps the torch path.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension`` (about 45 s, one line on
 stderr says so) and needs a C++ compiler and ``ninja``. ``cpp_build.py`` caches it under torch's
@@ -113,3 +114,18 @@ class CppAttention(TorchAttention):
                                             v_cache.scale, block_tables, context_lens, scale)
         return self.kernel.paged_decode(q, k_cache, v_cache, None, None, block_tables,
                                         context_lens, scale)
+
+    def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+        # A bf16 model on a bf16 pool prefills in the kernel too, on the CPU's bf16 units (where it
+        # has AVX512-BF16): torch's flash kernel for the CPU is slower in bf16 than in fp32 here,
+        # and was 31% of a long prompt's prefill. Anything else is the torch reference.
+        if (self.kernel is not None and self.kernel.extend_in_place()
+                and q.device.type == "cpu" and q.dtype == torch.bfloat16
+                and type(k_cache) is torch.Tensor and k_cache.dtype == torch.bfloat16
+                and q.shape[-1] in (64, 128) and q.shape[1] // k_cache.shape[2] <= 16
+                and k_cache.numel() < 2 ** 32):
+            return self.kernel.paged_extend(q, k_cache, v_cache, meta.prefill_block_tables,
+                                            meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                            scale)
+        return super().extend(q, k_new, v_new, k_cache, v_cache, meta, scale)
