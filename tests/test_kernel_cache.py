@@ -86,6 +86,23 @@ def test_build_directory_names_everything_in_the_build(tmp_path, monkeypatch):
     assert len({kernel_name(v) for v in variants}) == len(variants)
 
 
+def test_a_header_beside_the_source_is_part_of_the_build(tmp_path):
+    """The decode kernel's source includes the headers beside it (csrc/*.h): an edit to one is a
+    new build directory, as an edit to the source is; a file that is not a header is not."""
+    src = tmp_path / "k.cpp"
+    src.write_text('#include "a.h"\n')
+    (tmp_path / "a.h").write_text("// one\n")
+    first = cpp_build.source_digest(src)
+    (tmp_path / "notes.txt").write_text("not compiled")
+    assert cpp_build.source_digest(src) == first
+    (tmp_path / "a.h").write_text("// two\n")
+    second = cpp_build.source_digest(src)
+    assert second != first
+    (tmp_path / "b.h").write_text("")
+    assert cpp_build.source_digest(src) not in (first, second)
+    assert {h.name for h in SOURCE.parent.glob("*.h")} >= {"avx512_tiles.h", "paged_extend.h"}
+
+
 def test_bad_timeout_is_an_error_naming_the_variable(monkeypatch):
     for bad in ("soon", "0", "-5", "nan"):
         monkeypatch.setenv(cpp_build.TIMEOUT_ENV, bad)

@@ -9,9 +9,10 @@ So here:
 
 1. **The directory is named after everything in the build** (``BuildInputs``): torch's version
    *and install path*, Python's version and headers, the compiler (``$CXX --version``), the flags,
-   the source's hash and the CPU's feature flags (``-march=native`` code must not run on another
-   CPU). The source is copied into that directory and built from there, so the build file holds
-   no checkout's path: every checkout with the same source and toolchain shares one build, and
+   the hash of the source and the headers beside it, and the CPU's feature flags
+   (``-march=native`` code must not run on another CPU). The source and those headers are copied
+   into that directory and built from there, so the build file holds no checkout's path: every
+   checkout with the same source and toolchain shares one build, and
    two torch installations get two. A ``built`` file marks a build that finished and imported.
 2. **The lock is ``minillm.lock``, held with ``flock``**, which the kernel releases when its
    holder dies however it dies: no lock can go stale, and no two processes race to break one.
@@ -82,6 +83,15 @@ def kernel_name(inputs: BuildInputs, stem: str = "minillm_paged_decode") -> str:
     return f"{stem}_{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
+def source_digest(source: Path) -> str:
+    """sha256 of ``source`` and of the headers beside it (``*.h``, which it may include): an edit
+    to either is a new build."""
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()
+
+
 def current_inputs(source: Path, cflags: list[str], ldflags: list[str]) -> BuildInputs:
     import torch
 
@@ -90,7 +100,7 @@ def current_inputs(source: Path, cflags: list[str], ldflags: list[str]) -> Build
         python=f"{platform.python_implementation()} {platform.python_version()}{sys.abiflags} "
                f"{sysconfig.get_paths()['include']}",
         compiler=compiler_id(os.environ.get("CXX", "c++")), cflags=tuple(cflags),
-        ldflags=tuple(ldflags), source_sha256=hashlib.sha256(source.read_bytes()).hexdigest(),
+        ldflags=tuple(ldflags), source_sha256=source_digest(source),
         cpu=cpu_id())
 
 
@@ -314,6 +324,8 @@ def build(spec: dict, build_dir: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     source = build_dir / Path(spec["source"]).name
     shutil.copyfile(spec["source"], source)   # built from here: no checkout's path in the build
+    for header in Path(spec["source"]).parent.glob("*.h"):   # with what it includes (in the hash)
+        shutil.copyfile(header, build_dir / header.name)
     print(BUILDING, file=sys.stderr, flush=True)
     if spec["torch_parent"] not in sys.path:   # the asking process's torch, whatever the path
         sys.path.insert(0, spec["torch_parent"])
