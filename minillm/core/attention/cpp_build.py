@@ -1,31 +1,24 @@
 """Building the C++ paged-attention kernel once per toolchain, never hanging (notebook 04).
 
-``torch.utils.cpp_extension.load`` alone names its build directory after the extension only,
-while the build file inside holds one checkout's source path and one venv's torch paths (two
-checkouts or venvs in a classroom's shared home rebuild it for each other, ~45 s each time); its
-lock (``lock``, O_EXCL, no pid) stays behind when a build is killed (SIGTERM, SIGKILL, the OOM
-killer) and every later build waits for it forever, silently; and a build has no time bound.
-So here:
+``torch.utils.cpp_extension.load`` names its build directory after the extension only, while
+its build file holds one checkout's and one venv's paths (two in a shared home rebuild it for
+each other, ~45 s each time); its lock (O_EXCL, no pid) outlives a killed build and every later
+build waits for it forever, silently; and a build has no time bound. So here:
 
 1. **The directory is named after everything in the build** (``BuildInputs``): torch's version
    *and install path*, Python's version and headers, the compiler (``$CXX --version``), the flags,
-   the hash of the source and the headers beside it, and the CPU's feature flags
-   (``-march=native`` code must not run on another CPU). The source and those headers are copied
-   into that directory and built from there, so the build file holds no checkout's path: every
-   checkout with the same source and toolchain shares one build, and
-   two torch installations get two. A ``built`` file marks a build that finished and imported.
-2. **The lock is ``minillm.lock``, held with ``flock``**, which the kernel releases when its
-   holder dies however it dies: no lock can go stale, and no two processes race to break one.
-   The file names its holder (pid, host, start) for the message a waiting process prints. A
-   builder that holds it knows no other builder is alive, so a torch ``lock`` it finds is stale
-   and is removed.
+   the hash of the source and the headers beside it, the CPU's feature flags (``-march=native``
+   code must not run on another CPU). Both are copied there and built there: no checkout's path
+   in the build file, one build per source and toolchain, a ``built`` file once it finished.
+2. **The lock is ``minillm.lock``, held with ``flock``**, released by the kernel however its
+   holder dies: no lock goes stale, no two processes race to break one. It names its holder (pid,
+   host, start) for a waiting process; its holder knows any torch ``lock`` it finds is stale.
 3. **The build runs in a subprocess, bounded** by ``MINILLM_CPP_BUILD_TIMEOUT_S`` (default 300 s):
    a stuck compile, or a live process holding the lock for longer, ends in the torch backend
-   with one warning saying why. A subprocess rather than a thread because a compile must be
-   killable: the builder leads its own session (itself, ninja, the compilers) and stops all of
-   it at its deadline, or as soon as the process that asked for it dies (the asker does the
-   same on an overrun or Ctrl-C). The ``.so`` is then imported in-process. A build that
-   actually starts prints one line to stderr, so a slow first engine says why.
+   with one warning saying why. A subprocess, not a thread: a compile must be killable. The
+   builder leads its own session (itself, ninja, the compilers) and stops all of it at its
+   deadline or when its asker dies (the asker does the same on an overrun or Ctrl-C); the ``.so``
+   is imported in-process. A build that starts says so on stderr (a slow first engine says why).
 
 This file is also the builder's script: it imports only the standard library at the top.
 """
@@ -84,8 +77,7 @@ def kernel_name(inputs: BuildInputs, stem: str = "minillm_paged_decode") -> str:
 
 
 def source_digest(source: Path) -> str:
-    """sha256 of ``source`` and of the headers beside it (``*.h``, which it may include): an edit
-    to either is a new build."""
+    """sha256 of ``source`` and the headers beside it (``*.h``): an edit to either is a build."""
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):
         digest.update(header.name.encode() + b"\0" + header.read_bytes())
@@ -100,8 +92,7 @@ def current_inputs(source: Path, cflags: list[str], ldflags: list[str]) -> Build
         python=f"{platform.python_implementation()} {platform.python_version()}{sys.abiflags} "
                f"{sysconfig.get_paths()['include']}",
         compiler=compiler_id(os.environ.get("CXX", "c++")), cflags=tuple(cflags),
-        ldflags=tuple(ldflags), source_sha256=source_digest(source),
-        cpu=cpu_id())
+        ldflags=tuple(ldflags), source_sha256=source_digest(source), cpu=cpu_id())
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,10 +127,8 @@ def build_root() -> Path:
 
 def build_timeout_s() -> float:
     raw = os.environ.get(TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
     try:
-        value = float(raw)
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
     except ValueError:
         value = -1.0
     if not value > 0:
@@ -214,10 +203,10 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def stop_session(sid: int) -> None:
-    """Stop a builder's session: SIGTERM to its process group first -- ninja passes it on to
-    each compile, which it runs in a process group of its own (so a SIGKILL to the builder's
-    group alone would leave the compiler running) -- then SIGKILL whatever of the session is
-    left (found in /proc on Linux), the caller last if it belongs to it."""
+    """Stop a builder's session: SIGTERM to its process group first -- ninja passes it on to each
+    compile, run in a process group of its own (a SIGKILL to the builder's group alone would
+    leave the compiler running) -- then SIGKILL what is left of the session (found in /proc on
+    Linux), the caller last if it belongs to it."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(sid, signal.SIGTERM)
     deadline = time.monotonic() + 3.0
@@ -317,8 +306,7 @@ def read_holder(path: Path) -> str:
 
 
 def build(spec: dict, build_dir: Path) -> None:
-    # We hold the lock, so no builder is alive: a torch lock left here is a killed build's, and
-    # so is anything else (a half-written .o looks up to date to ninja): start clean.
+    # We hold the lock: whatever is here is a killed build's (a half-written .o looks done): clean
     for path in build_dir.iterdir():
         if path.name != LOCK_FILE:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
