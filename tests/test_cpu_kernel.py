@@ -100,7 +100,7 @@ def test_bf16_query_heads_in_groups_of_any_size(head_dim, heads, kv_heads):
 
 
 def _extend_here() -> bool:
-    return cpp_available() and CppAttention().kernel.extend_in_place()
+    return cpp_available() and CppAttention().extends_bf16
 
 
 # (block size, query heads, KV heads): groups of 1, 3 and 16 query heads (the most it takes)

@@ -99,6 +99,8 @@ class CppAttention(TorchAttention):
     def __init__(self):
         super().__init__()
         self.kernel = load_kernel()
+        # asked once, not in each layer's prefill: whether this build has the bf16 prefill
+        self.extends_bf16 = self.kernel is not None and self.kernel.extend_in_place()
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -120,8 +122,7 @@ class CppAttention(TorchAttention):
         # A bf16 model on a bf16 pool prefills in the kernel too, on the CPU's bf16 units (where it
         # has AVX512-BF16): torch's flash kernel for the CPU is slower in bf16 than in fp32 here,
         # and was 31% of a long prompt's prefill. Anything else is the torch reference.
-        if (self.kernel is not None and self.kernel.extend_in_place()
-                and q.device.type == "cpu" and q.dtype == torch.bfloat16
+        if (self.extends_bf16 and q.device.type == "cpu" and q.dtype == torch.bfloat16
                 and type(k_cache) is torch.Tensor and k_cache.dtype == torch.bfloat16
                 and q.shape[-1] in (64, 128) and q.shape[1] // k_cache.shape[2] <= 16
                 and k_cache.numel() < 2 ** 32):
