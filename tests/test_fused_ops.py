@@ -1,6 +1,7 @@
-"""The fused layer ops of a 16-bit model (core/fused.py, csrc/fused_ops.cpp) against the eager
-reference: the same numbers computed in fp32 and rounded once, so within one 16-bit rounding of
-eager torch (which rounds after every op), and exactly what fp32 arithmetic on the inputs gives."""
+"""The fused layer ops (core/fused.py, csrc/fused_ops.cpp) against the eager reference. For a
+16-bit model: the same numbers computed in fp32 and rounded once, so within one 16-bit rounding of
+eager torch (which rounds after every op), and exactly what fp32 arithmetic on the inputs gives.
+For an fp32 model: within a few units of fp32's last place of the exact (float64) result."""
 from __future__ import annotations
 
 import pytest
@@ -76,14 +77,49 @@ def test_silu_mul_is_one_rounding(ops, dtype):
     assert ulps(got, want) <= 0.51 + 1e-3
 
 
-def test_fp32_models_and_other_devices_keep_the_eager_ops():
-    assert type(layer_ops(torch.float32, torch.device("cpu"))) is EagerOps
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (130, 960), (3, 40)])
+def test_fp32_ops_are_the_exact_result_to_a_few_units(ops, rows, hidden):
+    """An fp32 model's ops, against float64: what the additions' order can change and no more
+    (eager torch is held to the same bound). ``hidden`` 40 takes the scalar loops."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, hidden) * 3, torch.rand(hidden) + 0.5
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    eps = torch.finfo(torch.float32).eps
+    for got in (ops.rms_norm(x, w, 1e-5), EagerOps.rms_norm(x, w, 1e-5)):
+        assert got.dtype == torch.float32
+        assert ((got.double() - want).abs() / want.abs()).max() <= 4 * eps
+
+    heads, kv_heads, d = 3, 1, 64 if hidden % 16 == 0 else 8
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d)
+    angle = torch.rand(rows, d // 2).repeat(1, 2) * 6
+    q, k = ops.rope(qkv, angle.cos(), angle.sin(), heads, kv_heads)
+    exact = rope_heads(qkv.double()[:, :(heads + kv_heads) * d].view(rows, -1, d),
+                       angle.cos().double(), angle.sin().double())
+    scale = qkv.abs().max() * eps * 2            # the rotation of a pair may cancel: absolute
+    assert (q.double() - exact[:, :heads]).abs().max() <= scale
+    assert (k.double() - exact[:, heads:]).abs().max() <= scale
+
+    gate_up = torch.randn(rows, 2 * hidden) * 4
+    g, u = gate_up.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(g) * u
+    got = ops.silu_mul(gate_up)
+    assert ((got.double() - want).abs() / want.abs().clamp(min=1e-30)).max() <= 8 * eps
+
+
+def test_fp32_and_16_bit_cpu_models_get_the_fused_ops_other_devices_the_eager(ops):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert type(layer_ops(dtype, torch.device("cpu"))) is FusedOps
     assert type(layer_ops(torch.bfloat16, torch.device("meta"))) is EagerOps
+    assert type(layer_ops(torch.float64, torch.device("cpu"))) is EagerOps
+    with pytest.raises(ValueError, match="layer_ops='fused' computes fp32/bf16/fp16 on the CPU, "
+                                         "not torch.float64"):
+        layer_ops(torch.float64, torch.device("cpu"), "fused")
 
 
 def test_wrong_inputs_are_errors_naming_them(ops):
-    with pytest.raises(RuntimeError, match="x must be a bf16 or fp16"):
-        ops.module.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5)
+    with pytest.raises(RuntimeError, match="x must be a bf16, fp16 or fp32 CPU tensor, got Double"):
+        ops.module.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5)
     with pytest.raises(RuntimeError, match=r"rope: qkv \[T, \(H \+ 2 KVH\) D\]"):
         ops.module.rope(torch.randn(2, 40).bfloat16(), torch.randn(2, 8).bfloat16(),
                         torch.randn(2, 8).bfloat16(), 2, 1)
@@ -98,7 +134,8 @@ def test_fused_ops_travel_to_worker_processes_by_pickle(ops):
 
 def test_the_engine_option_chooses_the_ops_and_refuses_what_cannot_run(tiny):
     """``layer_ops=`` (ModelConfig): a bf16 model runs either, and their tokens agree but for
-    near-ties (one 16-bit rounding apart); 'fused' on an fp32 model is an error naming it."""
+    near-ties (one 16-bit rounding apart); an fp32 model's agree exactly; an unknown name is an
+    error naming it."""
     from minillm import LLM, SamplingParams
     from minillm.models import load_model
 
@@ -111,7 +148,8 @@ def test_the_engine_option_chooses_the_ops_and_refuses_what_cannot_run(tiny):
         assert llm.engine.describe()["layer_ops"] == ops
         outs[ops] = [o.token_ids for o in llm.generate(prompts, params)]
     assert sum(a == b for a, b in zip(outs["fused"], outs["eager"])) >= 2
-    with pytest.raises(ValueError, match="layer_ops='fused'"):
-        LLM(tiny, engine="paged", layer_ops="fused", num_blocks=32)
+    fp32 = [[o.token_ids for o in LLM(tiny, engine="paged", layer_ops=ops, num_blocks=32)
+             .generate(prompts, params)] for ops in ("fused", "eager")]
+    assert fp32[0] == fp32[1]
     with pytest.raises(ValueError, match="unknown layer_ops 'fast'"):
         LLM(tiny, engine="paged", layer_ops="fast", num_blocks=32)

@@ -160,8 +160,7 @@ class ModelConfig:
               "default for fp32 on the CPU where it works, else torch)")
     layer_ops: str | None = option(
         None, "paged: a layer's RMSNorm, RoPE and SiLU, fused (one C++ pass each: the default for "
-              "bf16/fp16 on the CPU where it builds) or eager (torch ops: fp32's, and the "
-              "reference)")
+              "fp32/bf16/fp16 on the CPU where it builds) or eager (torch ops: the reference)")
 
     def __post_init__(self):
         if self.layer_ops not in (None, *LAYER_OPS):

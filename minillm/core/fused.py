@@ -1,13 +1,14 @@
-"""A decoder layer's elementwise work -- RMSNorm, RoPE, SiLU-times-up -- as one pass each for
-16-bit models on the CPU (``csrc/fused_ops.cpp``; notebook 04 times it).
+"""A decoder layer's elementwise work -- RMSNorm, RoPE, SiLU-times-up -- as one pass each on the
+CPU (``csrc/fused_ops.cpp``; notebook 04 times it).
 
-At 128 decode rows a bf16 layer's activations are a few hundred KB: eager torch's RMSNorm (five
+At 1-128 decode rows a layer's activations are a few hundred KB: eager torch's RMSNorm (five
 passes), RoPE (six) and SiLU-times-up (three) cost their dispatches and thread fork/joins, not
-their bytes -- about a tenth of a bf16 step (``make profile``: "other forward"). ``EagerOps`` is
-the reference, and what fp32 models always use: their tokens are checked against Hugging Face's,
-so they keep its exact operations. ``FusedOps`` computes the same in fp32 and rounds once (twice
-for RMSNorm, where Hugging Face does); it loads like the attention kernel (built once, or the
-eager ops with one warning saying why).
+their bytes -- a tenth to a fifth of a step (``make profile``: "other forward"). ``EagerOps`` is
+the reference. ``FusedOps`` computes the same in fp32 and, for bf16/fp16, rounds once (twice for
+RMSNorm, where Hugging Face does). An fp32 model differs from eager torch only in the order of
+the additions (a few units of fp32's last place, as oneDNN's products do); its tokens are still
+checked against Hugging Face's. The ops load like the attention kernel (built once, or the eager
+ops with one warning saying why).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class EagerOps:
 
 
 class FusedOps(EagerOps):
-    """The same steps, one C++ loop each, for bf16/fp16 rows on the CPU."""
+    """The same steps, one C++ loop each, for fp32/bf16/fp16 rows on the CPU."""
 
     name = "fused"
 
@@ -79,13 +80,13 @@ class FusedOps(EagerOps):
 
 
 def layer_ops(dtype: torch.dtype, device: torch.device, name: str | None = None) -> EagerOps:
-    """The ops ``name`` asks for (``ModelConfig.layer_ops``); by default ``FusedOps`` for a
-    16-bit model on the CPU where the extension builds, else ``EagerOps``."""
+    """The ops ``name`` asks for (``ModelConfig.layer_ops``); by default ``FusedOps`` for an
+    fp32/bf16/fp16 model on the CPU where the extension builds, else ``EagerOps``."""
     if name == "eager":
         return EagerOps()
-    fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    fits = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16, torch.float32)
     if name == "fused" and not fits:
-        raise ValueError(f"layer_ops='fused' computes bf16/fp16 on the CPU, not {dtype} on "
+        raise ValueError(f"layer_ops='fused' computes fp32/bf16/fp16 on the CPU, not {dtype} on "
                          f"{device.type}: use 'eager'")
     ops = _for_16_bit() if fits else EagerOps()
     if name == "fused" and not isinstance(ops, FusedOps):

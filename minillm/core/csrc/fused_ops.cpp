@@ -1,12 +1,13 @@
-// The elementwise work of a 16-bit decoder layer, one pass each (rung 3's forward, notebook 04).
+// The elementwise work of a decoder layer, one pass each (rung 3's forward, notebook 04).
 //
-// In eager torch a bf16 layer's RMSNorm is five passes over the activations (widen, square-mean,
+// In eager torch a layer's RMSNorm is five passes over the activations (widen, square-mean,
 // scale, narrow, times the weight), RoPE six (slice, negate, concatenate, two products, a sum)
 // and SiLU-times-up three, each a dispatch and a fork/join of the thread team: at 128 decode rows
 // the tensors are a few hundred KB, so the passes cost their overheads, not their bytes. Here
 // each is one loop over the rows, computed in fp32 and rounded to bf16/fp16 once at the end,
 // with the same roundings as Hugging Face's layer where it rounds (RMSNorm narrows before the
-// weight). fp32 models keep the eager path: their tokens are checked against Hugging Face's.
+// weight). An fp32 model gets the same loops with nothing to round: they differ from eager torch
+// only in the order of the additions, and its tokens are still checked against Hugging Face's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -49,6 +50,12 @@ static inline __m512 round16(__m512 x) {        // to the nearest bf16 (even on 
   const __m512i out = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
   return _mm512_castsi512_ps(_mm512_and_si512(out, _mm512_set1_epi32(int(0xffff0000u))));
 }
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+// rounded to T's precision, kept in fp32 (Hugging Face narrows there; fp32 has nothing to round)
+template <typename T> static inline __m512 round_to(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) return x; else return round16(x);
+}
 static inline void store16(c10::BFloat16* p, __m512 x) {
 #if defined(__AVX512BF16__)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));  // one op
@@ -84,7 +91,7 @@ static void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t 
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (!std::is_same_v<T, c10::Half>) {   // bf16 and fp32: 16 lanes
         if (n % 16 == 0) {
           __m512 acc = _mm512_setzero_ps();
           for (int64_t i = 0; i < n; i += 16) {
@@ -93,7 +100,7 @@ static void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t 
           }
           const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(n) + eps));
           for (int64_t i = 0; i < n; i += 16)
-            store16(out + r * n + i, _mm512_mul_ps(round16(_mm512_mul_ps(load16(xr + i), inv)), load16(w + i)));
+            store16(out + r * n + i, _mm512_mul_ps(round_to<T>(_mm512_mul_ps(load16(xr + i), inv)), load16(w + i)));
           continue;
         }
       }
@@ -124,7 +131,7 @@ static void rope_rows(const T* qkv, const T* cos, const T* sin, T* q_out, T* k_o
         const T* x = qkv + r * width + h * D;
         T* o = h < H ? q_out + (r * H + h) * D : k_out + (r * KVH + h - H) * D;
 #if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if constexpr (!std::is_same_v<T, c10::Half>) {   // bf16 and fp32: 16 lanes
           if (half % 16 == 0) {
             for (int64_t i = 0; i < half; i += 16) {
               const __m512 a = load16(x + i), b = load16(x + i + half);
@@ -156,7 +163,7 @@ static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
       const T* u = g + inter;
       T* o = out + r * inter;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (!std::is_same_v<T, c10::Half>) {   // bf16 and fp32: 16 lanes
         if (inter % 16 == 0) {
           for (int64_t i = 0; i < inter; i += 16) {
             const __m512 a = load16(g + i);
@@ -178,13 +185,15 @@ static void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
 }
 
 static void check_16bit(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf),
-              name, " must be a bf16 or fp16 CPU tensor, got ", t.scalar_type());
+  const auto type = t.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && (type == at::kBFloat16 || type == at::kHalf || type == at::kFloat),
+              name, " must be a bf16, fp16 or fp32 CPU tensor, got ", type);
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 #define DISPATCH_16(type, ...)                                                                  \
   if ((type) == at::kBFloat16) { using scalar_t = c10::BFloat16; __VA_ARGS__(); }               \
+  else if ((type) == at::kFloat) { using scalar_t = float; __VA_ARGS__(); }                     \
   else { using scalar_t = c10::Half; __VA_ARGS__(); }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -230,7 +239,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16/fp16 rows, fp32 inside (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32/bf16/fp16 rows, fp32 inside (CPU)");
   m.def("rope", &rope, "rotary embedding of q and k heads into contiguous q, k (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
 }
