@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minillm import LLM, Request, SamplingParams
 from minillm.core.config import SchedulerConfig
-from minillm.core.policy import SLO, make_policy
+from minillm.core.policy import SLO, make_policy, parse_slo_classes
 from minillm.engines.r12_realtime.sim import sim_engine, sim_request, simulate
 from minillm.request import RequestError
 
@@ -35,11 +35,51 @@ def test_options_and_fields_are_checked():
     assert not engine.has_unfinished()
 
 
-def crafted():
+def test_class_objectives_are_checked_and_a_requests_own_win_field_by_field():
+    """``slo_classes``: a request of priority P that names no objective gets its class's; one it
+    names wins for that field only; other priorities get the defaults."""
+    policy = make_policy(SchedulerConfig(policy="slo", slo_ttft_ms=700, slo_tpot_ms=70,
+                                         slo_classes=" 1:300:50, 0:20000:500"))
+    assert policy.classes == ((1, 300.0, 50.0), (0, 20000.0, 500.0))
+    cases = [(1, None, None, (300.0, 50.0)), (0, None, None, (20000.0, 500.0)),
+             (1, 900.0, None, (900.0, 50.0)), (0, None, 8.0, (20000.0, 8.0)),
+             (7, None, None, (700.0, 70.0)), (7, 1.0, 2.0, (1.0, 2.0))]
+    for priority, ttft, tpot, want in cases:
+        req = sim_request("r", 4, 2, ttft_ms=ttft, tpot_ms=tpot, priority=priority)
+        assert policy.objectives(req) == want, (priority, ttft, tpot)
+    assert parse_slo_classes(None) == parse_slo_classes(" ") == ()
+    for bad, says in (("1:300", "'1:300' is not PRIORITY:TTFT_MS:TPOT_MS"),
+                      ("1:0:50", "TTFT must be in"), ("a:1:1", "'a:1:1'"),
+                      ("1:5:inf", "TPOT must be a finite number"),
+                      ("2:1:1,2:3:3", "priority 2 is given twice"), (12, "must be a string")):
+        with pytest.raises(ValueError, match=f"slo_classes.*{says}|{says}.*"):
+            SchedulerConfig(policy="slo", slo_classes=bad)
+
+
+def test_classes_alone_let_slo_meet_the_deadlines_requests_do_not_name():
+    """The crafted mix below with no objective on any request: only the priorities (batch 0,
+    chat 1) and the server's classes say who is urgent. ``slo`` with the classes meets all
+    twelve, as with the objectives on the requests. Without them every request is held to the
+    defaults (1 s / 100 ms): the chats' deadlines are then no tighter than the batch's, and some
+    chat misses its 300 ms; fcfs misses all six."""
+    classes = "0:20000:200,1:300:200"
+    judge = SLO(classes=parse_slo_classes(classes))
+    met = {}
+    for name, options in (("fcfs", {}), ("slo", {}), ("slo+classes", {"slo_classes": classes})):
+        engine = sim_engine(name.split("+")[0], max_num_seqs=3, **options)
+        run = simulate(engine, crafted(named=False), judge=judge)
+        assert set(run.ends.values()) == {1} and len(run.ends) == 12
+        met[name] = run.goodput
+    assert met["slo+classes"] == 12 and met["slo"] < 12 and met["fcfs"] == 6, met
+
+
+def crafted(named: bool = True):
     """Long jobs with loose objectives first, short chats with tight TTFT arriving behind them."""
-    arrivals = [(0, sim_request(f"batch{i}", 64, 32, ttft_ms=20000, tpot_ms=200, priority=0))
-                for i in range(6)]
-    arrivals += [(2 + 3 * i, sim_request(f"chat{i}", 8, 8, ttft_ms=300, tpot_ms=200))
+    arrivals = [(0, sim_request(f"batch{i}", 64, 32, ttft_ms=20000 if named else None,
+                                tpot_ms=200 if named else None, priority=0)) for i in range(6)]
+    arrivals += [(2 + 3 * i, sim_request(f"chat{i}", 8, 8, ttft_ms=300 if named else None,
+                                         tpot_ms=200 if named else None,
+                                         priority=0 if named else 1))
                  for i in range(6)]
     return arrivals
 
@@ -114,7 +154,7 @@ def test_slo_admits_by_deadline_and_nobody_starves(reqs, max_seqs, num_blocks, m
             keys[g.request.request_id] = policy.key(g)
         waiting_before = {g.request.request_id for g in sched.waiting}
 
-    run = simulate(engine, arrivals, (500.0, 50.0), on_step=on_step, max_steps=20_000)
+    run = simulate(engine, arrivals, SLO(500.0, 50.0), on_step=on_step, max_steps=20_000)
     assert set(run.ends.values()) == {1} and len(run.ends) == len(arrivals)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     # the starvation horizon: nobody arriving more than D ms after r is first admitted before r

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..checks import check_float, check_int
 from .kv_quant import KV_CACHE_DTYPES
 from .batch_controller import CONTROLLERS
-from .policy import MAX_SCORE_WEIGHT, MAX_SLO_MS, POLICIES, check_slo_ms
+from .policy import MAX_SCORE_WEIGHT, MAX_SLO_MS, POLICIES, check_slo_ms, parse_slo_classes
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
@@ -109,6 +109,10 @@ class SchedulerConfig:
         1000.0, "paged, policy=slo: the TTFT objective (ms) of a request that names none")
     slo_tpot_ms: float = option(
         100.0, "paged, policy=slo: the TPOT objective (ms) of a request that names none")
+    slo_classes: str | None = option(
+        None, "paged, policy=slo: objectives by request priority for requests that name none, "
+              "'P:TTFT_MS:TPOT_MS,...' (e.g. '0:1000:100,1:20000:500'); other priorities get "
+              "slo_ttft_ms / slo_tpot_ms")
     slo_margin_ms: float = option(
         100.0, "paged, policy=slo: a request with no token yet evicts a running one only if its "
                "deadline is earlier by more than this (ms)")
@@ -137,6 +141,7 @@ class SchedulerConfig:
             object.__setattr__(self, name, value)
         for name in ("slo_ttft_ms", "slo_tpot_ms", "tpot_target_ms"):
             object.__setattr__(self, name, check_slo_ms(name, getattr(self, name)))
+        parse_slo_classes(self.slo_classes)          # a ValueError naming the bad item
         margin = check_float("slo_margin_ms", self.slo_margin_ms)
         if not 0 <= margin <= MAX_SLO_MS:
             raise ValueError(f"slo_margin_ms must be in [0, {MAX_SLO_MS:g}], got {margin!r}")

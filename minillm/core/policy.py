@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..checks import check_float
 
 if TYPE_CHECKING:
+    from ..request import Request
     from .config import SchedulerConfig
     from .sequence import SequenceGroup
 
@@ -169,12 +170,39 @@ def check_slo_ms(name: str, value) -> float:
     return value
 
 
+def parse_slo_classes(text: str | None) -> tuple[tuple[int, float, float], ...]:
+    """``slo_classes``, ``"P:TTFT:TPOT,..."``: the objectives (ms) of a request of priority P
+    that names none of its own, e.g. ``"0:1000:100,1:20000:500"`` (interactive and batch
+    classes told apart by their priority). A ValueError naming the item that is wrong."""
+    if text is None or not str(text).strip():
+        return ()
+    if not isinstance(text, str):
+        raise ValueError(f"slo_classes must be a string 'P:TTFT_MS:TPOT_MS,...', got {text!r}")
+    out: list[tuple[int, float, float]] = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            if len(parts) != 3:
+                raise ValueError("three fields")
+            priority = int(parts[0])
+            ttft, tpot = (check_slo_ms(n, float(v)) for n, v in zip(("TTFT", "TPOT"), parts[1:]))
+        except ValueError as e:
+            raise ValueError(f"slo_classes: {item.strip()!r} is not PRIORITY:TTFT_MS:TPOT_MS "
+                             f"with objectives in (0, {MAX_SLO_MS:g}] ms ({e})") from None
+        if any(p == priority for p, _, _ in out):
+            raise ValueError(f"slo_classes: priority {priority} is given twice")
+        out.append((priority, ttft, tpot))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SLO:
-    ttft_ms: float = 1000.0          # objective of a request that names none (the class default)
+    ttft_ms: float = 1000.0          # objective of a request that names none, nor has a class
     tpot_ms: float = 100.0
     margin_ms: float = 100.0         # a candidate's deadline must be earlier by more than this
     name: str = "slo"
+    # (priority, TTFT, TPOT): a class's objectives, for its requests that name none
+    classes: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self):
         for name in ("ttft_ms", "tpot_ms"):
@@ -182,15 +210,20 @@ class SLO:
         if not 0 <= check_float("margin_ms", self.margin_ms) <= MAX_SLO_MS:
             raise ValueError(f"slo: margin_ms must be in [0, {MAX_SLO_MS:g}], got "
                              f"{self.margin_ms!r}")
+        for _, ttft, tpot in self.classes:
+            check_slo_ms("a class's TTFT", ttft), check_slo_ms("a class's TPOT", tpot)
 
-    def objectives(self, group: SequenceGroup) -> tuple[float, float]:
-        """(TTFT, TPOT) objectives in ms: the request's own, else this policy's defaults."""
-        ttft, tpot = group.request.ttft_slo_ms, group.request.tpot_slo_ms
-        return (self.ttft_ms if ttft is None else ttft, self.tpot_ms if tpot is None else tpot)
+    def objectives(self, req: Request) -> tuple[float, float]:
+        """(TTFT, TPOT) objectives in ms, each the request's own, else its priority class's,
+        else this policy's defaults."""
+        ttft, tpot = next(((t, s) for p, t, s in self.classes if p == req.priority),
+                          (self.ttft_ms, self.tpot_ms))
+        return (ttft if req.ttft_slo_ms is None else req.ttft_slo_ms,
+                tpot if req.tpot_slo_ms is None else req.tpot_slo_ms)
 
     def deadline(self, group: SequenceGroup) -> float:
         """When the request's next token is due, on the scheduler's clock (ms)."""
-        ttft, tpot = self.objectives(group)
+        ttft, tpot = self.objectives(group.request)
         generated = max((len(s.output_token_ids) for s in group.seqs), default=0)
         return group.arrival_ms + ttft + tpot * generated
 
@@ -228,13 +261,14 @@ def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
         return Score(config.score_wait_weight, config.score_remaining_weight,
                      config.score_priority_weight, config.score_margin)
     if config.policy == "slo":
-        return SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.slo_margin_ms)
+        return SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.slo_margin_ms,
+                   classes=parse_slo_classes(config.slo_classes))
     return FCFS()
 
 
 POLICY_FIELDS = ("priority_preemption_threshold", "score_wait_weight", "score_remaining_weight",
                  "score_priority_weight", "score_margin", "slo_ttft_ms", "slo_tpot_ms",
-                 "slo_margin_ms")
+                 "slo_margin_ms", "slo_classes")
 
 
 def policy_options(config: SchedulerConfig) -> dict:

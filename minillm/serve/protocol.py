@@ -130,8 +130,8 @@ class _Common(BaseModel):
     # structured_outputs ({"json" | "regex" | "choice" | "json_object", "disable_any_whitespace"})
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
-    # rung 12: this request's objectives in ms (policy slo orders by their deadlines; None: the
-    # server's --slo-ttft-ms / --slo-tpot-ms); in (0, MAX_SLO_MS]
+    # rung 12: this request's objectives in ms (policy slo orders by their deadlines; None: its
+    # priority's class in --slo-classes, else --slo-ttft-ms / --slo-tpot-ms); in (0, MAX_SLO_MS]
     ttft_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
     tpot_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ...core.block_manager import BlockManager
 from ...core.driver import Driver, ScheduledArrivals, StepClock
 from ...core.engine import PagedEngine
+from ...core.policy import SLO
 from ...core.sequence import Sequence
 from ...request import Request, SamplingParams
 from ...viz.replay import NullRunner, ReplayModel
@@ -80,15 +81,16 @@ class SimRun:
 
 
 def simulate(engine: PagedEngine, arrivals: list[tuple[int, Request]],
-             default_slo: tuple[float, float] = (1000.0, 100.0), max_steps: int = 5000,
+             judge: SLO = SLO(), max_steps: int = 5000,
              on_step=None) -> SimRun:
     """Serve ``(step, request)`` arrivals; time each request on the scheduler's clock.
-    ``default_slo``: the (TTFT, TPOT) a request without its own is judged by."""
+    ``judge``: whose objectives a request is held to where it names none (``SLO.objectives``:
+    its priority class's, else the defaults, 1000 / 100 ms), whatever the engine's policy."""
     sched, run = engine.scheduler, SimRun()
     reqs = {r.request_id: r for _, r in arrivals}
 
     def admitted(req: Request) -> None:
-        ttft, tpot = req.ttft_slo_ms or default_slo[0], req.tpot_slo_ms or default_slo[1]
+        ttft, tpot = judge.objectives(req)
         run.timings[req.request_id] = Timing(sched.now_ms, ttft, tpot)
 
     def stepped(out, record) -> None:
