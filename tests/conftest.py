@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 from collections import Counter
 
 import pytest
@@ -20,6 +21,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 else:
     torch.set_num_threads(2)
+
+# Ctrl-C as in a terminal even when the suite runs as a background job (`make test &`, nohup):
+# a shell starts those with SIGINT ignored, every process below inherits it, and the tests that
+# send themselves (or a server they start) a real SIGINT would see nothing happen.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _resident_bytes() -> int:
