@@ -63,6 +63,38 @@ def test_abort_while_a_forward_is_in_flight_ends_the_request_once(tiny):
     engine.close()
 
 
+def test_forward_and_sampling_run_on_one_thread_with_the_callers_thread_count(tiny):
+    """Everything torch computes in an overlapped step -- the forward and the sampler -- runs on
+    the forward's thread, with as many torch threads as the thread stepping the engine has: one
+    OpenMP team. (The sampler on the caller's thread made two teams; libgomp then stops its idle
+    workers spinning, and served TPOT was ~2x: docs/rungs/12_realtime.md.)"""
+    import threading
+
+    import torch
+    engine = create_engine("paged", tiny, async_scheduling=True, num_blocks=32, block_size=4)
+    seen: list[tuple[str, str, int]] = []
+
+    def probe(what, fn):
+        def wrapped(*args):
+            seen.append((what, threading.current_thread().name, torch.get_num_threads()))
+            return fn(*args)
+        return wrapped
+    engine.runner.run = probe("forward", engine.runner.run)     # the test's own probes
+    engine.sampler = probe("sample", engine.sampler)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            seen.clear()
+            assert len(engine.run(workload()[:3]).outputs) == 3
+            assert {w for w, _, _ in seen} == {"forward", "sample"}
+            assert all(name.startswith("minillm-forward") and n == threads
+                       for _, name, n in seen), seen
+    finally:
+        torch.set_num_threads(before)
+        engine.close()
+
+
 class Boom(RuntimeError):
     pass
 

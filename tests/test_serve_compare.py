@@ -85,6 +85,22 @@ def test_bad_server_names_are_refused(serve, capsys):
         capsys.readouterr().out
 
 
+def test_engine_options_in_a_server_name_become_its_flags():
+    """``/OPTION=VALUE`` after a server name: a valued option is passed as it is; a switch
+    (``async-scheduling``) is its bare flag when true, nothing when false; a bad one is a
+    ValueError naming it."""
+    assert compare.split_name("minillm:slo/slo-margin-ms=50") == \
+        ("minillm", ["--policy", "slo", "--slo-margin-ms", "50"])
+    assert compare.split_name("minillm/async-scheduling=true") == \
+        ("minillm", ["--async-scheduling"])
+    assert compare.split_name("minillm/async-scheduling=False") == ("minillm", [])
+    for bad, says in (("minillm/async-scheduling=yes", "async-scheduling is true or false"),
+                      ("minillm/no-such-option=1", "bad engine option 'no-such-option=1'"),
+                      ("minillm/async-scheduling", "write /OPTION=VALUE")):
+        with pytest.raises(ValueError, match=says):
+            compare.split_name(bad)
+
+
 def test_input_len_prompts_are_random_token_ids():
     a = make_bodies("m", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=128)
     assert a == make_bodies("m", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=128)

@@ -54,10 +54,17 @@ def split_name(name: str) -> tuple[str, list[str]]:
     flags = []
     for s in settings:
         key, eq, value = s.partition("=")
-        if not eq or key.replace("-", "_") not in all_options() or not value:
+        opt = all_options().get(key.replace("-", "_"))
+        if not eq or opt is None or not value:
             raise ValueError(f"bad engine option {s!r} in --serve name {name!r}: write "
                              f"/OPTION=VALUE with OPTION one of "
                              f"{', '.join(o.replace('_', '-') for o in all_options())}")
+        if opt.type is bool:            # a switch on the server's command line: no value
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"bad engine option {s!r} in --serve name {name!r}: "
+                                 f"{key} is true or false")
+            flags += [f"--{key}"] if value.lower() == "true" else []
+            continue
         flags += [f"--{key}", value]
     server, _, variant = name.partition(":")
     engines = [e for e in servable_engines() if e != "paged"]

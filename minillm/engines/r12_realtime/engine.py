@@ -13,7 +13,9 @@ and changes *when* the forward runs: each ``step()``
 
 So step N + 1's forward computes while the caller does step N's host work: the detokenizing,
 streaming and bookkeeping of the driver and the server never delay the next forward. Torch
-releases the GIL inside its kernels, so a Python thread is enough to overlap the two.
+releases the GIL inside its kernels, so a Python thread is enough to overlap the two. All of a
+step's torch work (the forward, then sampling while the caller waits) runs on that one thread,
+with the caller's thread count: one OpenMP team (docs/rungs/12_realtime.md: why two cost).
 
 Why this variant and not vLLM v1's placeholders (schedule N + 1 *while* N computes, the token
 not yet sampled filled in on the device): scheduling N + 1 before N's tokens land means planning
@@ -34,8 +36,10 @@ disaggregation are other steps: they refuse ``async_scheduling`` (``PagedEngine.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+
+import torch
 
 from ...core.engine import PagedEngine
 from ...core.interface import StepOutput
@@ -95,10 +99,14 @@ class AsyncEngine(PagedEngine):
         return out
 
     def _launch(self, sched: SchedulerOutput) -> None:
-        self.in_flight = InFlight(sched, self.worker.submit(self._forward, sched))
+        # the worker computes on as many threads as the thread that steps the engine would
+        self.in_flight = InFlight(sched, self.worker.submit(self._forward, sched,
+                                                            torch.get_num_threads()))
 
-    def _forward(self, sched: SchedulerOutput):
+    def _forward(self, sched: SchedulerOutput, threads: int):
         """On the worker thread: the core's ``execute`` (copies, then the forward), timed."""
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         t = time.perf_counter()
         result = self.execute(sched)
         return result, (time.perf_counter() - t) * 1000.0
@@ -117,6 +125,19 @@ class AsyncEngine(PagedEngine):
         self.overlap.waited_ms += (time.perf_counter() - t) * 1000.0
         self.overlap.forward_ms += forward_ms
         self.overlap.steps += 1
+        # The rest runs on the forward's thread while this one waits (nothing runs beside it):
+        # the sampler's torch ops then share the forward's OpenMP team. A second team, this
+        # thread's, would make libgomp manage more threads than there are cores, and it then
+        # stops its idle workers spinning: every parallel op of the next forward wakes them
+        # through the kernel (the server's loop thread avoids it the same way, serve/cli.py).
+        finishing = self.worker.submit(self._finish, flight, result, forward_ms, out)
+        try:
+            finishing.result()
+        except KeyboardInterrupt:     # Ctrl-C: let the commit end before a reset frees blocks
+            wait([finishing])
+            raise
+
+    def _finish(self, flight: InFlight, result, forward_ms: float, out: StepOutput) -> None:
         self.bill(out, flight.sched, forward_ms)
         self.scheduler.commit_computed(flight.sched)
         self.finish_step(result, out)
