@@ -48,6 +48,7 @@ def test_class_objectives_are_checked_and_a_requests_own_win_field_by_field():
         req = sim_request("r", 4, 2, ttft_ms=ttft, tpot_ms=tpot, priority=priority)
         assert policy.objectives(req) == want, (priority, ttft, tpot)
     assert parse_slo_classes(None) == parse_slo_classes(" ") == ()
+    assert parse_slo_classes("1:300:50;0:20000:500") == policy.classes   # as a --serve name has it
     for bad, says in (("1:300", "'1:300' is not PRIORITY:TTFT_MS:TPOT_MS"),
                       ("1:0:50", "TTFT must be in"), ("a:1:1", "'a:1:1'"),
                       ("1:5:inf", "TPOT must be a finite number"),

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -171,15 +172,15 @@ def check_slo_ms(name: str, value) -> float:
 
 
 def parse_slo_classes(text: str | None) -> tuple[tuple[int, float, float], ...]:
-    """``slo_classes``, ``"P:TTFT:TPOT,..."``: the objectives (ms) of a request of priority P
-    that names none of its own, e.g. ``"0:1000:100,1:20000:500"`` (interactive and batch
-    classes told apart by their priority). A ValueError naming the item that is wrong."""
+    """``slo_classes``, ``"P:TTFT:TPOT,..."`` (``;`` separates too): the objectives (ms) of a
+    request of priority P that names none of its own, e.g. ``"0:1000:100,1:20000:500"``
+    (interactive and batch told apart by their priority). A ValueError naming the wrong item."""
     if text is None or not str(text).strip():
         return ()
     if not isinstance(text, str):
         raise ValueError(f"slo_classes must be a string 'P:TTFT_MS:TPOT_MS,...', got {text!r}")
     out: list[tuple[int, float, float]] = []
-    for item in text.split(","):
+    for item in re.split(r"[,;]", text):       # ';' too: a bench --serve name is comma-separated
         parts = item.strip().split(":")
         try:
             if len(parts) != 3:
