@@ -111,8 +111,8 @@ class SchedulerConfig:
         100.0, "paged, policy=slo: the TPOT objective (ms) of a request that names none")
     slo_classes: str | None = option(
         None, "paged, policy=slo: objectives by request priority for requests that name none, "
-              "'P:TTFT_MS:TPOT_MS,...' (or ';'; e.g. '0:1000:100,1:20000:500'); other priorities get "
-              "slo_ttft_ms / slo_tpot_ms")
+              "'P:TTFT_MS:TPOT_MS,...' (or ';'; e.g. '0:1000:100,1:20000:500'); other "
+              "priorities get slo_ttft_ms / slo_tpot_ms")
     slo_margin_ms: float = option(
         100.0, "paged, policy=slo: a request with no token yet evicts a running one only if its "
                "deadline is earlier by more than this (ms)")
