@@ -95,6 +95,22 @@ def test_forward_and_sampling_run_on_one_thread_with_the_callers_thread_count(ti
         engine.close()
 
 
+def test_the_callers_idle_openmp_threads_are_let_go_and_torch_still_computes():
+    """Before each launch the caller's idle OpenMP threads go (``omp_pause_resource_all`` of the
+    runtime torch loaded; found on Linux wherever torch runs on OpenMP); torch computes the same
+    after, its threads coming back at its next parallel op."""
+    import sys
+
+    import torch
+    from minillm.engines.r12_realtime.engine import release_idle_openmp_threads
+    a = torch.randn(384, 384, generator=torch.Generator().manual_seed(0))
+    want = a @ a
+    released = release_idle_openmp_threads()
+    if sys.platform == "linux" and "OpenMP" in torch.__config__.parallel_info():
+        assert released
+    assert torch.allclose(a @ a, want) and release_idle_openmp_threads() == released
+
+
 class Boom(RuntimeError):
     pass
 
