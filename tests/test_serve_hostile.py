@@ -379,11 +379,9 @@ def test_serve_cli_on_port_0_with_a_key_from_the_environment():
     """The real command: port 0 (any free port, printed), the key from $MINILLM_API_KEY; Ctrl-C
     ends it with status 130 (interrupted), as it ends generate."""
     env = {**os.environ, "MINILLM_API_KEY": "env-key", "PYTHONPATH": str(ROOT)}
-    # SIGINT back to its default: a shell's background job (`make test &`) starts with it ignored
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", MODEL,
                              "--port", "0", "--attention", "torch", "--no-dashboard"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True).start()
     try:

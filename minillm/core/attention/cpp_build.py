@@ -1,26 +1,19 @@
-"""Building the C++ paged-attention kernel once per toolchain, never hanging (notebook 04).
+"""Building the C++ kernels once per toolchain, never hanging (notebook 04).
 
-``torch.utils.cpp_extension.load`` names its build directory after the extension only, while
-its build file holds one checkout's and one venv's paths (two in a shared home rebuild it for
-each other, ~45 s each time); its lock (O_EXCL, no pid) outlives a killed build and every later
-build waits for it forever, silently; and a build has no time bound. So here:
+``torch.utils.cpp_extension.load`` names its build directory after the extension only (two
+checkouts in one home rebuild it for each other), its lock (O_EXCL, no pid) outlives a killed
+build and stalls every later one silently, and a build has no time bound. So here:
 
 1. **The directory is named after everything in the build** (``BuildInputs``): torch's version
-   *and install path*, Python's version and headers, the compiler (``$CXX --version``), the flags,
-   the hash of the source and the headers beside it, the CPU's feature flags (``-march=native``
-   code must not run on another CPU). Both are copied there and built there: no checkout's path
-   in the build file, one build per source and toolchain, a ``built`` file once it finished.
-2. **The lock is ``minillm.lock``, held with ``flock``**, released by the kernel however its
-   holder dies: no lock goes stale, no two processes race to break one. It names its holder (pid,
-   host, start) for a waiting process; its holder knows any torch ``lock`` it finds is stale.
-3. **The build runs in a subprocess, bounded** by ``MINILLM_CPP_BUILD_TIMEOUT_S`` (default 300 s):
-   a stuck compile, or a live process holding the lock for longer, ends in the torch backend
-   with one warning saying why. A subprocess, not a thread: a compile must be killable. The
-   builder leads its own session (itself, ninja, the compilers) and stops all of it at its
-   deadline or when its asker dies (the asker does the same on an overrun or Ctrl-C); the ``.so``
-   is imported in-process. A build that starts says so on stderr (a slow first engine says why).
-
-This file is also the builder's script: it imports only the standard library at the top.
+   and install path, Python, the compiler (``$CXX --version``), the flags, the hash of the source
+   and its ``headers``, the CPU's feature flags (``-march=native``). All are copied there and
+   built there, one build per source and toolchain, a ``built`` file once it finished.
+2. **The lock is ``minillm.lock``, held with ``flock``**: the kernel releases it however its
+   holder dies. It names its holder (pid, host, start) for a waiting process.
+3. **The build runs in a subprocess, bounded** by ``MINILLM_CPP_BUILD_TIMEOUT_S`` (default 300 s;
+   past it, the torch backend and one warning saying why). The builder (this file as a script:
+   the standard library only at the top) leads its own session and stops all of it (ninja, the
+   compilers) at its deadline or when its asker dies; the ``.so`` is imported in-process.
 """
 from __future__ import annotations
 
@@ -76,10 +69,17 @@ def kernel_name(inputs: BuildInputs, stem: str = "minillm_paged_decode") -> str:
     return f"{stem}_{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
+def headers(source: Path) -> list[Path]:
+    """What ``source`` may include, by name: headers beside it and the core's (``core/csrc``)."""
+    shared = Path(__file__).resolve().parents[1] / "csrc"
+    found = {h.name: h for d in (shared, source.parent) for h in d.glob("*.h")}
+    return [found[name] for name in sorted(found)]
+
+
 def source_digest(source: Path) -> str:
-    """sha256 of ``source`` and the headers beside it (``*.h``): an edit to either is a build."""
+    """sha256 of ``source`` and its ``headers``: an edit to any of them is a build."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):
+    for header in headers(source):
         digest.update(header.name.encode() + b"\0" + header.read_bytes())
     return digest.hexdigest()
 
@@ -312,7 +312,7 @@ def build(spec: dict, build_dir: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     source = build_dir / Path(spec["source"]).name
     shutil.copyfile(spec["source"], source)   # built from here: no checkout's path in the build
-    for header in Path(spec["source"]).parent.glob("*.h"):   # with what it includes (in the hash)
+    for header in headers(Path(spec["source"])):   # with what it includes (in the hash)
         shutil.copyfile(header, build_dir / header.name)
     print(BUILDING, file=sys.stderr, flush=True)
     if spec["torch_parent"] not in sys.path:   # the asking process's torch, whatever the path

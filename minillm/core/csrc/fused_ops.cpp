@@ -36,11 +36,7 @@ template <> inline c10::BFloat16 narrow(float f) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-// bf16 rows 16 lanes at a time (what the scalar loops below do one element at a time).
-static inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+#include "avx512_math.h"   // load16 of fp32 and bf16 rows (16 lanes at a time), exp16
 static inline __m512 round16(__m512 x) {        // to the nearest bf16 (even on ties), as fp32
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -50,7 +46,6 @@ static inline __m512 round16(__m512 x) {        // to the nearest bf16 (even on 
   const __m512i out = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
   return _mm512_castsi512_ps(_mm512_and_si512(out, _mm512_set1_epi32(int(0xffff0000u))));
 }
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 // rounded to T's precision, kept in fp32 (Hugging Face narrows there; fp32 has nothing to round)
 template <typename T> static inline __m512 round_to(__m512 x) {
@@ -69,17 +64,6 @@ static inline void store16(c10::BFloat16* p, __m512 x) {
 static inline __m512 recip16(__m512 x) {
   const __m512 r = _mm512_rcp14_ps(x);
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
-}
-// e^x: 2^n * 2^f, |f| <= 1/2, 2^f by its Taylor series to degree 6 (fp32's own precision).
-static inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)),
-                                 _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  static const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
-  __m512 p = _mm512_set1_ps(c[6]);
-  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(p, n);
 }
 #endif
 

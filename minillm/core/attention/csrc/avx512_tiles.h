@@ -1,6 +1,6 @@
 // AVX-512 building blocks of the decode (paged_decode.cpp) and prefill (paged_extend.h)
-// kernels: 16-token tiles of a paged pool, loads that widen any stored row to fp32, a transposing
-// reduction, a vector exp, prefetches, and bf16 dot products (AVX512-BF16). Included by
+// kernels: 16-token tiles of a paged pool, loads that widen fp16 and int8 rows to fp32, a
+// transposing reduction, prefetches, and bf16 dot products (AVX512-BF16). Included by
 // paged_decode.cpp, the extension's one source (cpp_build hashes this directory's headers with
 // it, so an edit here rebuilds it).
 #pragma once
@@ -10,13 +10,9 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include "avx512_math.h"   // load16 of fp32 and bf16 rows, exp16 (minillm/core/csrc)
 
 
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::BFloat16* p) {   // bf16 is fp32's top half: shift it up
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 static inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -38,19 +34,6 @@ static inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
                        _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
-// e^x for x <= 0 (softmax after subtracting the max): 2^n * 2^f, |f| <= 1/2, f's 2^f by its
-// Taylor series to degree 6 (relative error ~1e-7, fp32's own), 2^n by vscalefps.
-static inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)),
-                                 _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  static const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
-  __m512 p = _mm512_set1_ps(c[6]);
-  for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(p, n);
 }
 
 // One tile's rows of one KV head as fp32 pointers: into the pool itself (fp32), or into `buf`
