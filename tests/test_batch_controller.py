@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import Request, SamplingParams
-from minillm.core.batch_controller import TPOTController, make_controller
+from minillm.core.batch_controller import Demand, TPOTController, make_controller
 from minillm.core.config import SchedulerConfig
+from minillm.core.engine import PagedEngine
 from minillm.engines.r12_realtime.sim import sim_engine, sim_request, simulate
 
 
@@ -60,6 +61,66 @@ def test_config_and_make_controller():
         SchedulerConfig(batch_controller="pid")
     with pytest.raises(ValueError, match="tpot_target_ms"):
         SchedulerConfig(tpot_target_ms=0)
+    with pytest.raises(ValueError, match="tpot_overload 'shed'"):
+        SchedulerConfig(tpot_overload="shed")
+    assert make_controller(SchedulerConfig(batch_controller="tpot",
+                                           tpot_overload="widen")).overload == "widen"
+
+
+def test_demand_is_the_arrival_rate_times_the_work_of_a_request():
+    demand = Demand(tau_ms=2000.0)
+    assert demand.per_ms(0.0) is None                 # nothing arrived: unknown
+    for k in range(200):                              # one arrival every 100 ms for 20 s
+        demand.arrived(100.0 * k, at_most=500)
+    assert demand.rate_at(19_900.0) == pytest.approx(0.01, rel=0.03)
+    assert demand.per_ms(19_900.0) == pytest.approx(0.01 * 500, rel=0.03)  # nothing finished
+    demand.finished(100)
+    demand.finished(200)                              # a moving average: 100 + 0.2 * 100
+    assert demand.per_ms(19_900.0) == pytest.approx(0.01 * 120, rel=0.03)
+    assert demand.rate_at(29_900.0) < 0.01 * 0.01     # 10 s without arrivals: forgotten
+
+
+def overload(policy: str, steps: int = 120) -> tuple[list[dict], PagedEngine]:
+    """Two requests of 8 + 32 tokens arrive every step: 80 tokens of work a step, whatever a step
+    costs, where 20 + 0.5 n ms within 0.95 x 40 ms allows a budget of 36."""
+    engine = sim_engine("fcfs", (20.0, 0.5), num_blocks=4096, max_num_seqs=256,
+                        batch_controller="tpot", tpot_target_ms=40.0, tpot_overload=policy)
+    arrivals = [(k // 2, sim_request(f"r{k}", 8, 32)) for k in range(2 * steps)]
+    seen = []
+    run = simulate(engine, arrivals, on_step=lambda out, rec: seen.append(
+        engine.scheduler.controller.describe()))
+    assert set(run.ends.values()) == {1} and len(run.ends) == 2 * steps
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [{**step, **about} for step, about in zip(run.steps, seen)], engine
+
+
+def test_arrivals_that_outrun_the_target_are_held_or_widened_for():
+    held, _ = overload("hold")
+    widened, _ = overload("widen")
+    during = slice(80, 120)             # arrivals still coming, the rate's estimate settled
+    # the load is the arrivals' 80 tokens a step over the target's batch: above 1 in both
+    assert all(s["load"] > 1.2 for s in held[during] + widened[during])
+    # hold: every step within the target, the queue grows by about a request a step
+    assert max(s["cap"] for s in held[during]) <= 36
+    assert all(20 + 0.5 * s["tokens"] <= 40 for s in held[2:])
+    assert len(held[119]["waiting"]) > len(held[80]["waiting"]) + 30
+    # widen: about the narrowest batch that keeps up (88 tokens: 1.1 x 80, within the 2% the
+    # controller lets pass before it widens), the queue short and not growing
+    assert all(86 <= s["cap"] <= 96 for s in widened[during])
+    assert max(len(s["waiting"]) for s in widened[during]) < 20
+    assert len(widened[119]["waiting"]) <= len(widened[80]["waiting"])
+
+
+def test_arrivals_a_light_load_brings_change_nothing():
+    """One short request every fourth step: the load stays below 1 and widen's batch is hold's."""
+    caps = {}
+    for policy in ("hold", "widen"):
+        engine = sim_engine("fcfs", (20.0, 0.5), batch_controller="tpot", tpot_target_ms=40.0,
+                            tpot_overload=policy)
+        run = simulate(engine, [(4 * k, sim_request(f"r{k}", 8, 8)) for k in range(40)])
+        caps[policy] = [s["cap"] for s in run.steps]
+        assert engine.scheduler.controller.load < 1.0
+    assert caps["hold"] == caps["widen"]
 
 
 def burst(n=40):
@@ -109,3 +170,33 @@ def test_engines_that_bill_no_step_time_refuse_slo_and_tpot_by_name(tiny, extra,
     from minillm.engines import create_engine
     with pytest.raises(ValueError, match="bills no step time"):
         create_engine("paged", tiny, num_blocks=16, **extra, **rung12)
+
+
+def test_the_dashboard_shows_the_cap_and_the_load(tiny):
+    """A server with ``--batch-controller tpot``: its dashboard frames carry the controller's
+    state as the engine describes it (the page draws it beside the step counter)."""
+    import json
+
+    import httpx
+    from serve_util import running_server
+
+    from minillm import LLM
+    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 4}
+    llm = LLM(tiny, engine="paged", num_blocks=64, batch_controller="tpot", tpot_target_ms=500.0,
+              tpot_overload="widen")
+    frames = []
+    with running_server(llm) as (url, app):
+        with httpx.stream("GET", f"{url}/dashboard/events", timeout=60) as r:
+            for line in r.iter_lines():         # bounded: the test stops at the third frame
+                if line.startswith("data: "):
+                    frames.append(json.loads(line[6:]))
+                    httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                    if len(frames) == 3:
+                        break
+    shown = frames[-1]["controller"]
+    assert set(shown) == {"batch_cap", "tpot_target_ms", "tpot_overload", "arrivals_per_s", "load"}
+    assert shown["tpot_target_ms"] == 500.0 and shown["tpot_overload"] == "widen"
+    assert 1 <= shown["batch_cap"] <= llm.engine.scheduler.max_num_batched_tokens
+    assert shown["arrivals_per_s"] > 0 and shown["load"] is not None   # requests came, ended
+    with running_server(LLM(tiny, engine="paged", num_blocks=64)) as (url, app):
+        assert "controller" not in app.state.dashboard.frame

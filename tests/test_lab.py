@@ -91,7 +91,8 @@ MORE_WRONG = {
         ("        if var > 1.0:                     # at least a token of spread\n"
          "            b = (mnt - mn * mt) / var\n            a = mt - b * mn\n"
          "            if b > 0 and a >= 0:\n                return a, b\n"
-         "        return 0.0, mt / mn",                      # no fallback when n has no spread
+         "        a = self.fit[0] if self.fit[0] < mt else 0.0\n"
+         "        return a, (mt - a) / mn",                  # no fallback when n has no spread
          "        b = (mnt - mn * mt) / var\n        return mt - b * mn, b"),
         ("            self.moments = tuple(m + self.alpha * (x - m) for m, x in zip(self.moments, "
          "new))",                                           # a fit that never forgets

@@ -51,6 +51,8 @@ def test_two_servers_get_the_same_requests(tmp_path, monkeypatch, spawned, capsy
     assert a["total_output_tokens"] == b["total_output_tokens"] == c["total_output_tokens"] == 96
     assert a["total_input_tokens"] == b["total_input_tokens"] == c["total_input_tokens"] > 0
     assert c["median_ttft_ms"] > 0 and c["median_tpot_ms"] > 0   # the engine's own times
+    # each server's /metrics counter: 6 short requests in a roomy pool evict nobody
+    assert a["preemptions"] == b["preemptions"] == 0 and "preemptions" not in c
     assert got["max_num_seqs"] == 4 and got["environment"]["minillm_torch_threads"] >= 1
     assert "offline" in capsys.readouterr().out
     assert len(spawned) >= 2 and not any(alive(p) for p in spawned)   # both servers (and any

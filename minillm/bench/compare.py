@@ -186,6 +186,18 @@ def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_d
         stop(proc)
 
 
+def preemptions(url: str) -> int | None:
+    """The server's ``vllm:num_preemptions_total`` (both servers export it), or None if its
+    ``/metrics`` does not answer or lacks it: how often a policy evicted running requests."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(None, 1)[-1]) for line in text.splitlines()
+              if line.startswith("vllm:num_preemptions_total")]
+    return int(sum(values)) if values else None
+
+
 def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_seqs: int,
                 kv_cache_bytes: int, dtype: str = "float32"):
     """``bodies`` through the paged engine in this process, each arriving at its offset: the
@@ -224,12 +236,13 @@ def side_by_side(results: dict[str, dict]) -> str:
             ("completed / failed", None, None),
             ("TTFT P50 (ms)", "median_ttft_ms", "{:.0f}"), ("TTFT P99 (ms)", "p99_ttft_ms", "{:.0f}"),
             ("TPOT P50 (ms)", "median_tpot_ms", "{:.0f}"), ("TPOT P99 (ms)", "p99_tpot_ms", "{:.0f}"),
-            ("ITL P50 (ms)", "median_itl_ms", "{:.0f}"), ("E2E P50 (ms)", "median_e2el_ms", "{:.0f}")]
+            ("ITL P50 (ms)", "median_itl_ms", "{:.0f}"), ("E2E P50 (ms)", "median_e2el_ms", "{:.0f}"),
+            ("preemptions", "preemptions", "{}")]
     width = max(14, *(len(n) + 2 for n in names))   # a long name still gets its own column
     lines = [f"{'':<28}" + "".join(f"{n:>{width}}" for n in names)]
     for label, key, fmt in rows:
-        cells = [f"{r['completed']}/{r['failed']}" if key is None else fmt.format(r[key])
-                 for r in results.values()]
+        cells = [f"{r['completed']}/{r['failed']}" if key is None else
+                 fmt.format(r[key]) if r.get(key) is not None else "-" for r in results.values()]
         lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
     if len(names) >= 2:                   # the first two columns, side by side
         a, b = results[names[0]], results[names[1]]
@@ -242,5 +255,6 @@ def side_by_side(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OFFLINE", "SERVERS", "free_port", "run_offline", "group_members", "server_command",
+__all__ = ["OFFLINE", "SERVERS", "free_port", "preemptions", "run_offline", "group_members",
+           "server_command",
            "side_by_side", "split_name", "started", "stop"]

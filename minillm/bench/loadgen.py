@@ -22,7 +22,7 @@ import random
 
 from ..workload import arrival_offsets
 from .client import make_bodies, report, run, summarize
-from .compare import OFFLINE, SERVERS, run_offline, side_by_side, split_name, started
+from .compare import OFFLINE, SERVERS, preemptions, run_offline, side_by_side, split_name, started
 from .mixed import MIXES, by_class, class_table, make_mixed_bodies
 
 
@@ -174,6 +174,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                          log_dir, extra=extra, dtype=dtype) as url:
                 results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
                                       classes, args.mix, burst)
+                results[name]["preemptions"] = preemptions(url)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1

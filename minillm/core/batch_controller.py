@@ -13,21 +13,39 @@ would oscillate around the target for ever; the fit settles on the cap and stays
 cost does, and moves (either way) when the cost moves.
 
 While the steps all have the same size (a steady decode batch), ``n`` has no spread and the slope
-cannot be told from the fixed part; the fit then falls back to ``b = t / n`` (``a = 0``): at the
-cap both rules give the same answer, and with no spread it errs on the narrow side.
+cannot be told from the fixed part; the fit then keeps the fixed part it last knew (0 if it never
+saw a spread) and solves the slope through the mean step, ``b = (t - a) / n``: at the cap every
+such rule gives the same answer, and with no spread ever seen it errs on the narrow side.
+(Forgetting ``a`` there made the "widen" rule below swing between two caps: with ``a = 0`` a wider
+batch serves no more tokens per ms.)
 
 The cap is a token budget per step; seats (``max_num_seqs``) follow it, since a seat needs a token
 a step. The scheduler never lets it fall below 1, nor below the widest running request (its n
 samples or beams decode together): nobody starves. Each change is a ``"controlled"`` observer
 event carrying a ``BatchDecision``; ``describe()`` shows the state.
+
+The arrival rate is the other input (``LoadAwareController``, what ``batch_controller="tpot"``
+builds; ``Demand``): arrivals per second on the scheduler's clock
+times the work a request brings (tokens computed by the requests that finished; before any has,
+what the arrivals may bring at most). Divided by what
+the objective's batch serves, ``cap / t(cap)`` tokens per ms, it is the ``load``: above 1 the
+arrivals outrun the objective and the queue grows for as long as they do. Below 1 the cap hardly
+ever binds (the batch is narrower than it), so the rate changes nothing there. Above 1 no batch
+size holds both the objective and a bounded queue, and ``overload`` says which gives:
+``"hold"`` (the default) keeps the objective and lets requests wait (TTFT pays); ``"widen"``
+widens to the narrowest batch that keeps up with the arrivals, ``n / t(n) >= 1.1 x demand``
+(TPOT pays, as little as the arrivals force).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol
 
 CONTROLLERS = ("none", "tpot")
+OVERLOAD = ("hold", "widen")
+KEEP_UP = 1.1           # "widen" aims at serving this much more than the arrivals bring
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,7 @@ class BatchDecision:
     step_ms: float            # the step just measured
     fixed_ms: float           # the fit's a (ms per step)
     per_token_ms: float       # the fit's b (ms per token)
+    load: float | None = None     # arrivals' work / what the objective's batch serves
 
 
 class BatchController(Protocol):
@@ -47,10 +66,57 @@ class BatchController(Protocol):
 
     def observe(self, num_tokens: int, step_ms: float) -> BatchDecision | None: ...
 
+    def arrived(self, now_ms: float, at_most: int) -> None: ...   # joined, with <= this work
+
+    def finished(self, num_tokens: int) -> None: ...       # a request ended: its work in tokens
+
     def describe(self) -> dict: ...
 
 
-class NoController:
+class Demand:
+    """The work arriving per ms: an arrival rate that fades with ``tau_ms`` (each arrival adds
+    ``1 / tau``, and the sum decays as ``exp(-dt / tau)``: a burst shows within a few arrivals
+    and is forgotten within a few ``tau``) times the tokens a request brings: a moving average of
+    the finished ones' (prompt and output, every sample), and until one has finished the
+    arrivals' upper bound (prompt + n x ``max_tokens``, which a chat answer seldom reaches)."""
+
+    def __init__(self, tau_ms: float = 2000.0, alpha: float = 0.2):
+        self.tau_ms, self.alpha = tau_ms, alpha
+        self.rate, self.at_ms = 0.0, 0.0          # arrivals per ms, as of ``at_ms``
+        self.tokens: float | None = None          # of finished requests
+        self.bound: float | None = None           # of arrivals, at most
+
+    def arrived(self, now_ms: float, at_most: int) -> None:
+        self.rate, self.at_ms = self.rate_at(now_ms) + 1.0 / self.tau_ms, max(now_ms, self.at_ms)
+        self.bound = self._average(self.bound, at_most)
+
+    def finished(self, num_tokens: int) -> None:
+        self.tokens = self._average(self.tokens, num_tokens)
+
+    def _average(self, mean: float | None, x: int) -> float:
+        return float(x) if mean is None else mean + self.alpha * (x - mean)
+
+    def rate_at(self, now_ms: float) -> float:
+        """Arrivals per ms at ``now_ms``."""
+        return self.rate * math.exp(-max(0.0, now_ms - self.at_ms) / self.tau_ms)
+
+    def per_ms(self, now_ms: float) -> float | None:
+        """Tokens of work arriving per ms (None before any arrival)."""
+        tokens = self.tokens if self.tokens is not None else self.bound
+        return None if tokens is None else self.rate_at(now_ms) * tokens
+
+
+class Deaf:
+    """A controller that ignores arrivals (the arrival rate: ``LoadAwareController``)."""
+
+    def arrived(self, now_ms: float, at_most: int) -> None:
+        pass
+
+    def finished(self, num_tokens: int) -> None:
+        pass
+
+
+class NoController(Deaf):
     """The fixed batch: the config's limits, never changed."""
 
     name = "none"
@@ -63,7 +129,7 @@ class NoController:
         return {"batch_controller": self.name}
 
 
-class TPOTController:
+class TPOTController(Deaf):
     """Token budget per step from a fit of step time against tokens (see the module)."""
 
     name = "tpot"
@@ -101,7 +167,7 @@ class TPOTController:
         return BatchDecision(old, self.cap, t, *self.fit)
 
     def _fit(self) -> tuple[float, float]:
-        """(a, b) of ``t = a + b n``; ``b = t / n`` when the steps' sizes have no spread."""
+        """(a, b) of ``t = a + b n``; without a spread of sizes, the last ``a`` and the mean step."""
         mn, mt, mnn, mnt = self.moments
         var = mnn - mn * mn
         if var > 1.0:                     # at least a token of spread
@@ -109,7 +175,8 @@ class TPOTController:
             a = mt - b * mn
             if b > 0 and a >= 0:
                 return a, b
-        return 0.0, mt / mn
+        a = self.fit[0] if self.fit[0] < mt else 0.0
+        return a, (mt - a) / mn
 
     def _cap(self) -> int:
         a, b = self.fit
@@ -126,8 +193,59 @@ class TPOTController:
                 "step_per_token_ms": round(b, 4)}
 
 
+class LoadAwareController(TPOTController):
+    """The TPOT controller told of arrivals (``--batch-controller tpot``): the load beside the
+    fit, and under ``overload="widen"`` the narrowest batch that keeps up with the arrivals where
+    the target's does not (see the module)."""
+
+    def __init__(self, target_ms: float, ceiling: int, overload: str = "hold", **fit):
+        if overload not in OVERLOAD:
+            raise ValueError(f"tpot_overload must be 'hold' or 'widen', got {overload!r}")
+        super().__init__(target_ms, ceiling, **fit)
+        self.overload = overload
+        self.demand, self.now_ms = Demand(), 0.0    # the clock: the steps' times, summed
+        self.load: float | None = None
+
+    def arrived(self, now_ms: float, at_most: int) -> None:
+        self.demand.arrived(now_ms, at_most)
+
+    def finished(self, num_tokens: int) -> None:
+        self.demand.finished(num_tokens)
+
+    def observe(self, num_tokens: int, step_ms: float) -> BatchDecision | None:
+        if num_tokens > 0 and math.isfinite(step_ms) and step_ms >= 0:
+            self.now_ms += step_ms
+        decision = super().observe(num_tokens, step_ms)
+        return decision and dataclasses.replace(decision, load=self.load)
+
+    def _cap(self) -> int:
+        """The target's cap; wider under "widen" when the arrivals outrun it."""
+        cap = super()._cap()
+        a, b = self.fit
+        demand = self.demand.per_ms(self.now_ms)
+        self.load = None if demand is None else demand * (a + b * cap) / cap
+        if self.overload == "widen" and self.load is not None and self.load > 1.0:
+            cap = max(cap, self._keeping_up(demand * KEEP_UP))
+        return cap
+
+    def _keeping_up(self, per_ms: float) -> int:
+        """The narrowest budget ``n`` that serves ``per_ms`` tokens per ms: ``n / (a + b n) >=
+        per_ms``, i.e. ``n >= per_ms a / (1 - per_ms b)``; the ceiling if none does."""
+        a, b = self.fit
+        if per_ms * b >= 1.0:
+            return self.ceiling
+        return int(min(self.ceiling, math.ceil(per_ms * a / (1.0 - per_ms * b) - 1e-9)))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "tpot_overload": self.overload,
+                "arrivals_per_s": round(self.demand.rate_at(self.now_ms) * 1000.0, 3),
+                "load": None if self.load is None else round(self.load, 3)}
+
+
 def make_controller(config) -> NoController | TPOTController:
-    """The controller a ``SchedulerConfig`` names (``batch_controller``, ``tpot_target_ms``)."""
+    """The controller a ``SchedulerConfig`` names (``batch_controller``, ``tpot_target_ms``,
+    ``tpot_overload``)."""
     if config.batch_controller == "tpot":
-        return TPOTController(config.tpot_target_ms, config.max_num_batched_tokens)
+        return LoadAwareController(config.tpot_target_ms, config.max_num_batched_tokens,
+                                   config.tpot_overload)
     return NoController()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..checks import check_float, check_int
 from .kv_quant import KV_CACHE_DTYPES
-from .batch_controller import CONTROLLERS
+from .batch_controller import CONTROLLERS, OVERLOAD
 from .policy import MAX_SCORE_WEIGHT, MAX_SLO_MS, POLICIES, check_slo_ms, parse_slo_classes
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -121,6 +121,10 @@ class SchedulerConfig:
                 "measured step time to hold tpot_target_ms; core/batch_controller.py)")
     tpot_target_ms: float = option(
         100.0, "paged, batch_controller=tpot: the step time (= TPOT) to hold (ms)")
+    tpot_overload: str = option(
+        "hold", "paged, batch_controller=tpot: when arrivals bring more work than the target's "
+                "batch serves: hold (keep the target; requests wait) or widen (the narrowest "
+                "batch that keeps up; TPOT grows)")
     async_scheduling: bool = option(
         False, "paged: overlap the next step's forward with this step's outputs (rung 12)")
 
@@ -149,6 +153,9 @@ class SchedulerConfig:
         if self.batch_controller not in CONTROLLERS:
             raise ValueError(f"unknown batch_controller {self.batch_controller!r}: choose "
                              f"{' or '.join(map(repr, CONTROLLERS))}")
+        if self.tpot_overload not in OVERLOAD:
+            raise ValueError(f"unknown tpot_overload {self.tpot_overload!r}: choose "
+                             f"{' or '.join(map(repr, OVERLOAD))}")
         check_bool("async_scheduling", self.async_scheduling)
 
 

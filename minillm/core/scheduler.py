@@ -117,6 +117,8 @@ class Scheduler(StepCommit):
             raise RequestError(f"{req.request_id}: the {self.policy.name!r} policy cannot rank "
                                f"this request ({type(e).__name__}: {e})") from None
         self.num_arrived += 1
+        p = req.params                                # the arrival rate (rung 12)
+        self.controller.arrived(self.now_ms, req.prompt_len + max(p.n, p.beam_width) * p.max_tokens)
         self.groups[req.request_id] = group
         self.waiting.insert(bisect.bisect_right(self.waiting, key, key=self.rank), group)
         return group
@@ -332,7 +334,10 @@ class Scheduler(StepCommit):
         return req
 
     def finish(self, group: SequenceGroup) -> None:
-        for seq in group.seqs + group.done_seqs:
+        seqs = group.seqs + group.done_seqs       # its work: the prompt, every sample's output
+        self.controller.finished(group.request.prompt_len + sum(len(s.output_token_ids)
+                                                                for s in seqs))  # (rung 12)
+        for seq in seqs:
             if seq.block_table:
                 self.bm.free(seq)
         if group in self.running:

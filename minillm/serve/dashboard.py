@@ -30,6 +30,7 @@ from ..memory import MemorySnapshot
 from .loop import EngineLoop
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
+CONTROLLER_KEYS = ("batch_cap", "tpot_target_ms", "tpot_overload", "arrivals_per_s", "load")
 FRAME_INTERVAL_S = 0.1
 MAX_CELLS = 1 << 16        # a bigger pool is drawn up to its first MAX_CELLS slots
 MAX_STREAM_S = 600         # an SSE stream ends after this (the browser reconnects by itself)
@@ -82,6 +83,8 @@ class Dashboard:
                       "finished": self.num_finished, "preemptions": eng.num_preemptions,
                       "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
         }
+        if about.get("batch_controller", "none") != "none":    # rung 12: the adaptive batch
+            self.frame["controller"] = {k: about.get(k) for k in CONTROLLER_KEYS}
         if eng.has_prefill_pool:                               # rung 11: the other pool
             picture = eng.prefill_snapshot()
             self.frame["kv_prefill"] = None if picture is None else kv_json(picture)

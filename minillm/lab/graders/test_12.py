@@ -4,9 +4,9 @@
 Graded on behaviour, never on the clock: the controller is driven with synthetic step times, each
 step of ``min(cap, demand)`` tokens billed ``a + b * tokens`` ms (sometimes with a seeded
 measurement noise of 1%), then inside the real engine with steps billed by a cost model
-(``step_cost``). It must: fall back to ``b = t / n`` when the steps have no spread (one step, or a
-steady batch); never leave [1, ceiling]; settle on the widest batch within the target and stay
-there (an AIMD halve/+1 rule never settles); not move the batch back and forth on noise (no
+(``step_cost``). It must: fall back to ``b = t / n`` when the steps have never had a spread (one
+step, or a steady batch from the start); never leave [1, ceiling]; settle on the widest batch
+within the target and stay there (an AIMD halve/+1 rule never settles); not move the batch back and forth on noise (no
 hysteresis does); follow the cost when it moves, both ways (a fit that never forgets lags);
 return a ``BatchDecision`` exactly when the cap moved; and hold the target in the engine.
 
@@ -62,7 +62,7 @@ def drive(student, target, ceiling, *phases) -> dict:
         sizes = {n for n, _ in got["steps"]}
         why = "" if len(sizes) != 1 else (
             f" (every step so far had {sizes.pop()} tokens: with no spread in n the slope "
-            "cannot be fitted; the fit falls back to b = t / n, a = 0)")
+            "cannot be fitted; the fit falls back to b = t / n, a = 0 while no fit came before)")
         raise AssertionError(f"TPOTController raised {got['raised']} after the steps (tokens, ms) "
                              f"{[(n, round(t, 3)) for n, t in last]}{why}")
     caps = got["caps"]
@@ -102,7 +102,8 @@ def test_the_cap_settles_on_the_widest_batch_within_the_target(student):
 
 def test_steady_steps_of_one_size_fall_back_to_t_over_n(student):
     """A steady decode batch of 10 tokens, 15 ms a step, target 40 ms: n has no spread, so
-    b = 15 / 10 and a = 0, and the cap is floor(0.95 * 40 / 1.5) = 25 after the first step."""
+    b = 15 / 10 and a = 0 (no fit came before), and the cap is floor(0.95 * 40 / 1.5) = 25
+    after the first step."""
     got = drive(student, 40.0, 1024, (5.0, 1.0, 10, 12, 0.0, 0))
     assert got["caps"][0] == 25 and set(got["caps"]) == {25}, (
         "steps of 10 tokens in 15 ms (no spread in n): the fit falls back to b = t / n = 1.5 "
