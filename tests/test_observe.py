@@ -55,12 +55,15 @@ def test_phases_arrive_in_order_with_the_runs_step_numbers(tiny, options):
         assert e.phase in PHASES and e.engine is llm.engine
         by_step[e.step].append(e)
     assert sorted(by_step) == [r.step for r in result.steps] == list(range(1, len(result.steps) + 1))
-    order = {p: i for i, p in enumerate(("computed", "beam", "stepped"))}
+    order = {p: i for i, p in enumerate(("executed", "computed", "beam", "stepped"))}
     beam_id = result.outputs[2].request_id
     for step, evs in by_step.items():
         phases = [e.phase for e in evs]
         assert phases == sorted(phases, key=order.__getitem__), f"step {step}: {phases}"
         assert phases.count("stepped") == 1 and phases.count("computed") <= 1
+        assert phases.count("executed") == 1, f"step {step}: one forward, one span"
+        start, end = next(e.data for e in evs if e.phase == "executed")
+        assert 0 < start <= end
         assert all(e.request_id == beam_id for e in evs if e.phase == "beam")
     finished = [r.request_id for e in events if e.phase == "stepped" for r in e.data.finished]
     assert sorted(finished) == sorted(o.request_id for o in result.outputs), "each ends once"

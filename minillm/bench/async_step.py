@@ -6,7 +6,9 @@ Each run serves ``batch`` requests at once (``max_num_seqs = batch``, fixed outp
 through the one driver, with a consumer that does what a server's stream does after every step:
 decode each running request's text so far. Synchronously that host work sits between two
 forwards; with ``async_scheduling`` the next forward runs during it. Printed per model and batch:
-ms per step and output tok/s for both, and the host time the overlap hid (``overlap``).
+ms per step and output tok/s for both, the compute's idle time between two forwards (sync/async:
+the bubble, from the ``"executed"`` observer event's spans) and the host time the overlap hid
+(``overlap``).
 """
 from __future__ import annotations
 
@@ -27,16 +29,23 @@ def requests(batch: int, prompt_len: int, max_tokens: int) -> list[Request]:
 
 
 def measure(model, batch: int, async_scheduling: bool, prompt_len: int, max_tokens: int) -> dict:
+    """One run: ms per step, output tok/s, the overlap's account (``overlap``), and a timeline in
+    ms from the first forward's start: ``forwards`` (the ``"executed"`` observer event, on the
+    worker thread when overlapped) and ``host`` (the consumer's detokenizing after each step, on
+    the caller's); ``idle_ms``: the time between forwards, the compute's bubble (notebook 12)."""
     engine = create_engine("paged", model, async_scheduling=async_scheduling,
                            max_num_seqs=batch, max_num_batched_tokens=max(512, batch))
-    tok = model.tokenizer
+    tok, forwards, host = model.tokenizer, [], []
     reqs = requests(batch, prompt_len, max_tokens)
 
     def stream(out, record):            # what a server's streaming does after each step
+        t = time.perf_counter()
         for r in reqs:
             tok.decode(r.output_token_ids)
+        host.append((t, time.perf_counter()))
 
     engine.run(requests(batch, prompt_len, 4))          # warm-up: kernels, allocator
+    engine.observers.add(lambda e: forwards.append(e.data), ("executed",))
     driver = Driver(engine, WallClock(), ScheduledArrivals([(0.0, r) for r in reqs]),
                     on_step=stream)
     t = time.perf_counter()
@@ -44,8 +53,12 @@ def measure(model, batch: int, async_scheduling: bool, prompt_len: int, max_toke
     seconds = time.perf_counter() - t
     info = engine.describe().get("overlap")
     engine.close()
+    t0 = forwards[0][0]
+    ms = lambda spans: [((a - t0) * 1e3, (b - t0) * 1e3) for a, b in spans]  # noqa: E731
     return {"ms_per_step": 1000 * seconds / len(result.steps),
-            "tok_s": batch * max_tokens / seconds, "overlap": info}
+            "tok_s": batch * max_tokens / seconds, "overlap": info,
+            "forwards": ms(forwards), "host": ms(host),
+            "idle_ms": 1e3 * sum(b[0] - a[1] for a, b in zip(forwards, forwards[1:]))}
 
 
 def main(argv=None) -> None:
@@ -64,15 +77,17 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"{'model':24} {'batch':>5} {'sync ms/step':>12} {'async ms/step':>13} "
-          f"{'sync tok/s':>10} {'async tok/s':>11}  hidden host ms")
+          f"{'sync tok/s':>10} {'async tok/s':>11} {'idle ms/step':>13}  hidden host ms")
     for name in args.models.split(","):
         model = load_model(name, dtype=args.dtype)
         for batch in map(int, args.batch.split(",")):
             s = measure(model, batch, False, args.prompt_len, args.max_tokens)
             a = measure(model, batch, True, args.prompt_len, args.max_tokens)
+            idle = [m["idle_ms"] / max(1, len(m["forwards"]) - 1) for m in (s, a)]
             print(f"{name:24} {batch:5d} {s['ms_per_step']:12.2f} {a['ms_per_step']:13.2f} "
-                  f"{s['tok_s']:10.1f} {a['tok_s']:11.1f}  {a['overlap']['hidden_ms']:.1f} "
-                  f"of {a['overlap']['forward_ms']:.1f} forward ms")
+                  f"{s['tok_s']:10.1f} {a['tok_s']:11.1f} {idle[0]:6.2f}/{idle[1]:<6.2f}  "
+                  f"{a['overlap']['hidden_ms']:.1f} of {a['overlap']['forward_ms']:.1f} "
+                  "forward ms")
 
 
 if __name__ == "__main__":

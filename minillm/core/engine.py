@@ -209,9 +209,12 @@ class PagedEngine(Engine):
 
     def execute(self, sched: SchedulerOutput):
         """The forward pass over ``sched`` (K/V written): the sequences that reached their newest
-        token and their logits rows."""
+        token and their logits rows (observers see its span: ``"executed"``)."""
+        start = time.perf_counter()
         self.runner.copy_blocks(sched.copies)
-        return self.runner.run(sched.scheduled)
+        result = self.runner.run(sched.scheduled)
+        self.observers.emit("executed", data=(start, time.perf_counter()))
+        return result
 
     def finish_step(self, result, out: StepOutput) -> None:
         """What becomes of ``execute``'s result once its K/V are committed: prompt logprobs (for

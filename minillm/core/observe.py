@@ -7,6 +7,10 @@ Phases, in the order they happen within one step:
 - ``"preempted"`` — the scheduler evicted the running request ``request_id`` for a waiting one
   the policy ranks ahead of it (``data``: that request's id; ``core/policy.py``). Evictions for
   memory are counted in ``Request.num_preemptions`` and the engine's ``num_preemptions``.
+- ``"executed"`` — the forward pass ran (``data``: its ``(start, end)`` in ``time.perf_counter()``
+  seconds, the copies and the forward; ``PagedEngine.execute``). Rung 12's overlapped step runs
+  the forward on a worker thread and this event comes from there, while the caller is between
+  steps: a timeline of compute against host work (notebook 12, ``bench/async_step.py``).
 - ``"computed"`` — the forward pass ran: every K/V of the step is written and nothing is
   committed yet, so the pool is at its fullest (rung 6: guesses' slots still held). ``data``:
   the sequences whose logits came back (``PagedEngine.complete``).
@@ -34,10 +38,10 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal
 if TYPE_CHECKING:
     from .interface import Engine
 
-Phase = Literal["preempted", "computed", "beam", "verified", "transferred", "controlled",
-                "stepped"]
-PHASES: tuple[Phase, ...] = ("preempted", "computed", "beam", "verified", "transferred",
-                             "controlled", "stepped")
+Phase = Literal["preempted", "executed", "computed", "beam", "verified", "transferred",
+                "controlled", "stepped"]
+PHASES: tuple[Phase, ...] = ("preempted", "executed", "computed", "beam", "verified",
+                             "transferred", "controlled", "stepped")
 
 
 @dataclass(frozen=True)
