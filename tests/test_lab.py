@@ -81,6 +81,8 @@ MORE_WRONG = {
            ("        blocks = block_manager.allocate_loaded(seq, num_tokens)\n    except",
             "        blocks = block_manager.allocate_loaded(seq, num_tokens + 1)\n    except")],
     "12": [
+        ("        a = self.fit[0] if self.fit[0] < mt else 0.0\n        return a, (mt - a) / mn",
+         "        return 0.0, mt / mn"),                      # forgets a: "widen" swings
         ("        if new == old or old < new <= old + max(1, old // 50):\n            return None",
          "        new = max(1, old // 2) if t > self.target_ms else min(self.ceiling, old + 1)\n"
          "        if new == old:\n            return None"),              # AIMD: never settles

@@ -5,7 +5,8 @@ Graded on behaviour, never on the clock: the controller is driven with synthetic
 step of ``min(cap, demand)`` tokens billed ``a + b * tokens`` ms (sometimes with a seeded
 measurement noise of 1%), then inside the real engine with steps billed by a cost model
 (``step_cost``). It must: fall back to ``b = t / n`` when the steps have never had a spread (one
-step, or a steady batch from the start); never leave [1, ceiling]; settle on the widest batch
+step, or a steady batch from the start) and keep the fit's fixed part when a steady batch loses
+its spread later (forgotten, the arrival rate's "widen" swings); never leave [1, ceiling]; settle on the widest batch
 within the target and stay there (an AIMD halve/+1 rule never settles); not move the batch back and forth on noise (no
 hysteresis does); follow the cost when it moves, both ways (a fit that never forgets lags);
 return a ``BatchDecision`` exactly when the cap moved; and hold the target in the engine.
@@ -214,3 +215,26 @@ def test_the_engine_holds_the_target(student):
     assert len(got["ends"]) == 40 and set(got["ends"].values()) == {1}, \
         "every request ends, once"
     assert got["full"], "the pool must end full"
+
+
+def probe_overload(steps: int = 120) -> dict:
+    """Two requests of 8 + 32 tokens every step (80 tokens of work a step), step = 20 + 0.5 *
+    tokens ms, target 40 ms (whose batch, 36 tokens, cannot keep up), ``tpot_overload="widen"``:
+    the controller widens to about 88 tokens, the narrowest batch serving 1.1 x the arrivals."""
+    from minillm.engines.r12_realtime.sim import sim_engine, sim_request, simulate
+    engine = sim_engine("fcfs", (20.0, 0.5), num_blocks=4096, max_num_seqs=256,
+                        batch_controller="tpot", tpot_target_ms=40.0, tpot_overload="widen")
+    run = simulate(engine, [(k // 2, sim_request(f"r{k}", 8, 32)) for k in range(2 * steps)])
+    return {"caps": [s["cap"] for s in run.steps]}
+
+
+def test_a_steady_batch_keeps_what_the_fit_knows(student):
+    """Under ``probe_overload`` the batch is steady at its cap, so the sizes lose their spread and
+    ``_fit`` falls back. If the fallback forgets the fixed part (a = 0), a wider batch looks no
+    faster per token than a narrow one, "widen" sees no reason to stay wide, and the cap swings
+    between about 52 and 90 every twenty steps; kept, it settles."""
+    caps = student.run(probe_overload)["caps"][80:120]
+    assert max(caps) - min(caps) <= 6, (
+        f"steps 80-120 of a steady overload: the cap swings between {min(caps)} and {max(caps)} "
+        f"({caps}); with no spread of sizes, does _fit keep the last fit's a (if below E[t]) "
+        "and set b = (E[t] - a) / E[n]?")
