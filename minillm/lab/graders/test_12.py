@@ -6,10 +6,11 @@ step of ``min(cap, demand)`` tokens billed ``a + b * tokens`` ms (sometimes with
 measurement noise of 1%), then inside the real engine with steps billed by a cost model
 (``step_cost``). It must: fall back to ``b = t / n`` when the steps have never had a spread (one
 step, or a steady batch from the start) and keep the fit's fixed part when a steady batch loses
-its spread later (forgotten, the arrival rate's "widen" swings); never leave [1, ceiling]; settle on the widest batch
-within the target and stay there (an AIMD halve/+1 rule never settles); not move the batch back and forth on noise (no
-hysteresis does); follow the cost when it moves, both ways (a fit that never forgets lags);
-return a ``BatchDecision`` exactly when the cap moved; and hold the target in the engine.
+its spread later (forgotten, the arrival rate's "widen" swings); never leave [1, ceiling]; settle
+on the widest batch within the target and stay there (an AIMD halve/+1 rule never settles); not
+move the batch back and forth on noise (no hysteresis does); follow the cost when it moves, both
+ways (a fit that never forgets lags); return a ``BatchDecision`` exactly when the cap moved; and
+hold the target in the engine.
 
 The drives run in the student's process (``probe_*``, the ``student`` fixture) and send back the
 caps, the decisions and what was raised, judged here.
