@@ -111,6 +111,19 @@ def test_arrivals_that_outrun_the_target_are_held_or_widened_for():
     assert len(widened[119]["waiting"]) <= len(widened[80]["waiting"])
 
 
+def test_no_load_is_claimed_before_the_fit_has_seen_a_spread():
+    """Steps of one size from the start leave the fit at b = t / n (every ms on the tokens): a
+    load computed from it would call two requests an overload. None until the sizes differ."""
+    from minillm.core.batch_controller import LoadAwareController
+    ctl = LoadAwareController(40.0, 1024, overload="widen")
+    for k in range(20):
+        ctl.arrived(30.0 * k, at_most=5)         # 5 tokens every 30 ms: a light load
+        ctl.observe(4, 30.0)                     # 4 tokens a step, 30 ms: mostly fixed cost
+        assert ctl.load is None and ctl.cap <= 5
+    ctl.observe(12, 34.0)                        # a wider step: a and b can be told apart
+    assert ctl.load is not None and ctl.load < 1.0
+
+
 def test_arrivals_a_light_load_brings_change_nothing():
     """One short request every fourth step: the load stays below 1 and widen's batch is hold's."""
     caps = {}
@@ -178,25 +191,37 @@ def test_the_dashboard_shows_the_cap_and_the_load(tiny):
     import json
 
     import httpx
-    from serve_util import running_server
+    from serve_util import running_server, wait_until
+
+    from minillm.bench.compare import MetricsWatch, metric_values
 
     from minillm import LLM
-    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 4}
+    body = {"model": "tiny-llama", "prompt": "count from one to twenty, slowly", "max_tokens": 4}
     llm = LLM(tiny, engine="paged", num_blocks=64, batch_controller="tpot", tpot_target_ms=500.0,
               tpot_overload="widen")
     frames = []
     with running_server(llm) as (url, app):
-        with httpx.stream("GET", f"{url}/dashboard/events", timeout=60) as r:
-            for line in r.iter_lines():         # bounded: the test stops at the third frame
-                if line.startswith("data: "):
-                    frames.append(json.loads(line[6:]))
-                    httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-                    if len(frames) == 3:
-                        break
+        with MetricsWatch(url, period_s=0.02) as watch:
+            with httpx.stream("GET", f"{url}/dashboard/events", timeout=60) as r:
+                for line in r.iter_lines():     # bounded: the test stops at the third frame
+                    if line.startswith("data: "):
+                        frames.append(json.loads(line[6:]))
+                        httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                        if len(frames) == 3:
+                            break
+            wait_until(lambda: len(watch.samples) >= 2, 30, "two polls of /metrics")
+        scraped = metric_values(httpx.get(f"{url}/metrics", timeout=30).text)
     shown = frames[-1]["controller"]
     assert set(shown) == {"batch_cap", "tpot_target_ms", "tpot_overload", "arrivals_per_s", "load"}
     assert shown["tpot_target_ms"] == 500.0 and shown["tpot_overload"] == "widen"
     assert 1 <= shown["batch_cap"] <= llm.engine.scheduler.max_num_batched_tokens
     assert shown["arrivals_per_s"] > 0 and shown["load"] is not None   # requests came, ended
+    # /metrics has the cap and the load too, and the bench's poller reads them
+    control = llm.engine.batch_control()
+    assert scraped["minillm:batch_cap"] == control["batch_cap"]
+    assert scraped["minillm:batch_load"] == control["load"]
+    assert all(len(x) == 4 and x[3] >= 1 and x[1] >= 0 and x[2] >= 0 for x in watch.samples)
     with running_server(LLM(tiny, engine="paged", num_blocks=64)) as (url, app):
         assert "controller" not in app.state.dashboard.frame
+        scraped = metric_values(httpx.get(f"{url}/metrics", timeout=30).text)
+        assert "minillm:batch_cap" not in scraped and "vllm:num_requests_running" in scraped

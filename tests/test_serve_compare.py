@@ -53,6 +53,7 @@ def test_two_servers_get_the_same_requests(tmp_path, monkeypatch, spawned, capsy
     assert c["median_ttft_ms"] > 0 and c["median_tpot_ms"] > 0   # the engine's own times
     # each server's /metrics counter: 6 short requests in a roomy pool evict nobody
     assert a["preemptions"] == b["preemptions"] == 0 and "preemptions" not in c
+    assert isinstance(a["timeline"], list) and "timeline" not in c   # polled /metrics (servers)
     assert got["max_num_seqs"] == 4 and got["environment"]["minillm_torch_threads"] >= 1
     assert "offline" in capsys.readouterr().out
     assert len(spawned) >= 2 and not any(alive(p) for p in spawned)   # both servers (and any
@@ -206,3 +207,10 @@ def test_disagg_mix_compares_one_engine_with_two_workers(tmp_path, monkeypatch, 
     assert "| minillm:disagg | long (p0, TTFT ≤ 1e-06 s) |" in capsys.readouterr().out
     assert main(["bench", "--serve", "minillm:static", "--mix", "disagg"]) == 2   # not servable
     assert not any(alive(p) for p in spawned)
+
+
+def test_metric_values_sums_a_name_over_its_labels():
+    text = ("# HELP x a counter\n# TYPE x counter\n"
+            'x{model_name="m",reason="stop"} 3\nx{model_name="m",reason="length"} 4.5\n'
+            "y 2\nvllm:num_preemptions_total{a=\"b\"} 7\n")
+    assert compare.metric_values(text) == {"x": 7.5, "y": 2.0, "vllm:num_preemptions_total": 7.0}

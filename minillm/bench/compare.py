@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,16 +187,58 @@ def started(name: str, model: str, max_num_seqs: int, kv_cache_bytes: int, log_d
         stop(proc)
 
 
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}, the samples of a name summed over their labels."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(None, 1)[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(None, 1)[-1])
+    return values
+
+
 def preemptions(url: str) -> int | None:
     """The server's ``vllm:num_preemptions_total`` (both servers export it), or None if its
     ``/metrics`` does not answer or lacks it: how often a policy evicted running requests."""
     try:
-        text = httpx.get(f"{url}/metrics", timeout=10.0).text
+        found = metric_values(httpx.get(f"{url}/metrics", timeout=10.0).text)
     except httpx.HTTPError:
         return None
-    values = [float(line.rsplit(None, 1)[-1]) for line in text.splitlines()
-              if line.startswith("vllm:num_preemptions_total")]
-    return int(sum(values)) if values else None
+    value = found.get("vllm:num_preemptions_total")
+    return None if value is None else int(value)
+
+
+class MetricsWatch:
+    """``with MetricsWatch(url) as watch:`` polls the server's ``/metrics`` every ``period_s``
+    on a thread while the block runs: ``watch.samples`` = [[seconds, running, waiting, cap], ...]
+    (cap: rung 12's ``minillm:batch_cap``, None where the server has none). The per-step story of
+    a burst (who waited, how the cap moved) that the run's percentiles flatten."""
+
+    NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "minillm:batch_cap")
+
+    def __init__(self, url: str, period_s: float = 0.5):
+        self.url, self.period_s, self.samples = url, period_s, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, name="metrics-watch", daemon=True)
+
+    def __enter__(self) -> "MetricsWatch":
+        self.t0 = time.monotonic()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(15.0)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=5.0) as client:
+            while not self.stop.wait(self.period_s):
+                try:
+                    found = metric_values(client.get(f"{self.url}/metrics").text)
+                except (httpx.HTTPError, ValueError):
+                    continue                  # a busy or stopping server: the next poll
+                self.samples.append([round(time.monotonic() - self.t0, 2),
+                                     *(found.get(n) for n in self.NAMES)])
 
 
 def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_seqs: int,
@@ -228,6 +271,14 @@ def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_se
     return results, run.metrics.duration_s
 
 
+def span(values: list[float], most_only: bool) -> str:
+    """A polled column of ``MetricsWatch`` in a cell: its largest value, or its range."""
+    if not values:
+        return "-"
+    top = f"{max(values):.0f}"
+    return top if most_only else f"{min(values):.0f}-{top}"
+
+
 def side_by_side(results: dict[str, dict]) -> str:
     """One table, a column per server: the metrics the issue's targets are stated in."""
     names = list(results)
@@ -244,6 +295,10 @@ def side_by_side(results: dict[str, dict]) -> str:
         cells = [f"{r['completed']}/{r['failed']}" if key is None else
                  fmt.format(r[key]) if r.get(key) is not None else "-" for r in results.values()]
         lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
+    for label, col in (("most waiting (polled)", 2), ("batch cap, min-max", 3)):
+        cells = [span([x[col] for x in r.get("timeline", []) if x[col] is not None], col == 2)
+                 for r in results.values()]
+        lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
     if len(names) >= 2:                   # the first two columns, side by side
         a, b = results[names[0]], results[names[1]]
         lines.append(f"{names[0]} / {names[1]}: output tok/s "
@@ -255,6 +310,6 @@ def side_by_side(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OFFLINE", "SERVERS", "free_port", "preemptions", "run_offline", "group_members",
-           "server_command",
+__all__ = ["OFFLINE", "SERVERS", "MetricsWatch", "free_port", "metric_values", "preemptions",
+           "run_offline", "group_members", "server_command",
            "side_by_side", "split_name", "started", "stop"]

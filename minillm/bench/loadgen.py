@@ -22,7 +22,8 @@ import random
 
 from ..workload import arrival_offsets
 from .client import make_bodies, report, run, summarize
-from .compare import OFFLINE, SERVERS, preemptions, run_offline, side_by_side, split_name, started
+from .compare import (OFFLINE, SERVERS, MetricsWatch, preemptions, run_offline, side_by_side,
+                      split_name, started)
 from .mixed import MIXES, by_class, class_table, make_mixed_bodies
 
 
@@ -125,9 +126,11 @@ def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, se
           burst: tuple[int, float] | None = None) -> dict:
     """Send ``bodies`` to the server at ``url``; print and return the summary (per class too,
     ``m["classes"]``, for ``--mix``'s ``classes``)."""
-    results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat,
-                                        burst=burst))
+    with MetricsWatch(url) as watch:
+        results, duration = asyncio.run(run(url, bodies, rate, concurrency, seed, chat,
+                                            burst=burst))
     m = summarize(results, duration)
+    m["timeline"] = watch.samples         # [seconds, running, waiting, batch cap] every 0.5 s
     print(report(m, rate, concurrency))
     if classes is not None:
         m["classes"] = by_class(results, classes, duration, mix)

@@ -205,6 +205,7 @@ class LoadAwareController(TPOTController):
         self.overload = overload
         self.demand, self.now_ms = Demand(), 0.0    # the clock: the steps' times, summed
         self.load: float | None = None
+        self.spread_seen = False    # a least-squares fit, not the fallback, stands behind (a, b)
 
     def arrived(self, now_ms: float, at_most: int) -> None:
         self.demand.arrived(now_ms, at_most)
@@ -222,7 +223,12 @@ class LoadAwareController(TPOTController):
         """The target's cap; wider under "widen" when the arrivals outrun it."""
         cap = super()._cap()
         a, b = self.fit
-        demand = self.demand.per_ms(self.now_ms)
+        mn, _, mnn, _ = self.moments
+        # until the steps' sizes have had a spread the fit is b = t / n, all of a step's time put
+        # on its tokens: light steps then look as if every token cost a whole step, and the load
+        # of a few requests would read as an overload. No load is claimed before then.
+        self.spread_seen = self.spread_seen or mnn - mn * mn > 1.0
+        demand = self.demand.per_ms(self.now_ms) if self.spread_seen else None
         self.load = None if demand is None else demand * (a + b * cap) / cap
         if self.overload == "widen" and self.load is not None and self.load > 1.0:
             cap = max(cap, self._keeping_up(demand * KEEP_UP))

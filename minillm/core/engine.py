@@ -313,6 +313,10 @@ class PagedEngine(Engine):
                 "kv_cache_dtype": self.kv_format.name, "layer_ops": self.runner.net.ops.name,
                 **self.scheduler.controller.describe()}
 
+    def batch_control(self) -> dict | None:
+        controller = self.scheduler.controller
+        return None if controller.name == "none" else controller.describe()
+
     def requests_in_flight(self) -> tuple[list[Request], list[Request]]:
         return ([g.request for g in self.scheduler.running],
                 [g.request for g in self.scheduler.waiting])

@@ -137,6 +137,11 @@ class Engine:
         return {"engine": self.name, "model": self.model.name,
                 "dtype": dtype_name(self.model.dtype)}
 
+    def batch_control(self) -> dict | None:
+        """Rung 12's batch controller, as its ``describe()`` says (the cap, the fit, the load), or
+        None where the batch is fixed: cheap enough for every ``/metrics`` scrape."""
+        return None
+
     def requests_in_flight(self) -> tuple[list[Request], list[Request]] | None:
         """(running, waiting) requests in the engine's own order, or None for an engine that
         keeps no such lists."""

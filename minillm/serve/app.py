@@ -32,7 +32,7 @@ from .logprobs import AnswerLogprobs
 from .errors import add_error_handlers
 from .guard import BodyLimit, RequireKey, default_max_body_bytes
 from .loop import EngineFailed, EngineLoop, Event, QueueFull, ShuttingDown
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, scrape
 from .lora import load_adapters, model_cards, resolve_model
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
@@ -100,20 +100,7 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
 
     @app.get("/metrics")
     async def metrics():
-        kv, eng = loop.kv, loop.engine
-        gauges = {"vllm:num_requests_running": loop.num_running(),
-                  "vllm:num_requests_waiting": loop.num_waiting(),
-                  "vllm:kv_cache_usage_perc": (kv.allocated / kv.total) if kv.total else 0.0,
-                  # real bytes, in the pool's own format (a narrow kv_cache_dtype: rung 9)
-                  "minillm:kv_cache_bytes_per_token": kv.bytes_per_slot,
-                  "minillm:kv_cache_bytes": kv.total * kv.bytes_per_slot,
-                  "minillm:kv_cache_used_bytes": kv.allocated * kv.bytes_per_slot}
-        counters = {"vllm:num_preemptions_total": eng.num_preemptions,
-                    "vllm:prefix_cache_hits_total": eng.prefix_hit_tokens,
-                    "minillm:engine_steps_total": loop.step_count,
-                    "minillm:engine_step_seconds_total": loop.engine_step_s,
-                    "minillm:loop_overhead_seconds_total": loop.overhead_s}
-        return PlainTextResponse(loop.metrics.render(gauges, counters),
+        return PlainTextResponse(loop.metrics.render(*scrape(loop)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

@@ -83,8 +83,8 @@ class Dashboard:
                       "finished": self.num_finished, "preemptions": eng.num_preemptions,
                       "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
         }
-        if about.get("batch_controller", "none") != "none":    # rung 12: the adaptive batch
-            self.frame["controller"] = {k: about.get(k) for k in CONTROLLER_KEYS}
+        if (control := eng.batch_control()) is not None:      # rung 12: the adaptive batch
+            self.frame["controller"] = {k: control.get(k) for k in CONTROLLER_KEYS}
         if eng.has_prefill_pool:                               # rung 11: the other pool
             picture = eng.prefill_snapshot()
             self.frame["kv_prefill"] = None if picture is None else kv_json(picture)

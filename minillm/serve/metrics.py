@@ -166,6 +166,9 @@ GAUGE_HELP = {
                                         "layers, in its kv_cache_dtype (scales included).",
     "minillm:kv_cache_bytes": "Bytes of the KV pool (free and cached slots included).",
     "minillm:kv_cache_used_bytes": "Bytes of the KV pool held by requests.",
+    "minillm:batch_cap": "Rung 12's batch controller: the step's token budget now.",
+    "minillm:batch_load": "Rung 12's batch controller: the arrivals' work over what the TPOT "
+                          "target's batch serves (above 1: they outrun it).",
 }
 COUNTER_HELP = {
     "vllm:num_preemptions_total": "Preemptions (a running request's KV dropped to recompute).",
@@ -179,3 +182,26 @@ COUNTER_HELP = {
                                            "tokens to clients (serving's own overhead).",
     "minillm:requests_rejected_total": "Requests refused with 429 because the queue was full.",
 }
+
+
+def scrape(loop) -> tuple[dict[str, float], dict[str, float]]:
+    """What ``/metrics`` reads from the engine loop and its engine: (gauges, counters)."""
+    kv, eng = loop.kv, loop.engine
+    gauges = {"vllm:num_requests_running": loop.num_running(),
+              "vllm:num_requests_waiting": loop.num_waiting(),
+              "vllm:kv_cache_usage_perc": (kv.allocated / kv.total) if kv.total else 0.0,
+              # real bytes, in the pool's own format (a narrow kv_cache_dtype: rung 9)
+              "minillm:kv_cache_bytes_per_token": kv.bytes_per_slot,
+              "minillm:kv_cache_bytes": kv.total * kv.bytes_per_slot,
+              "minillm:kv_cache_used_bytes": kv.allocated * kv.bytes_per_slot}
+    control = eng.batch_control() or {}            # rung 12: the adaptive batch
+    if control.get("batch_cap") is not None:
+        gauges["minillm:batch_cap"] = control["batch_cap"]
+    if control.get("load") is not None:
+        gauges["minillm:batch_load"] = control["load"]
+    counters = {"vllm:num_preemptions_total": eng.num_preemptions,
+                "vllm:prefix_cache_hits_total": eng.prefix_hit_tokens,
+                "minillm:engine_steps_total": loop.step_count,
+                "minillm:engine_step_seconds_total": loop.engine_step_s,
+                "minillm:loop_overhead_seconds_total": loop.overhead_s}
+    return gauges, counters
