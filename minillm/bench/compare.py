@@ -8,7 +8,9 @@ load generator (loadgen.py) with the same request bodies at the same Poisson arr
 stopped before the next one starts, so the two never share the machine. Each server's own
 defaults stay otherwise (its token budget per step, block size); the report says which binding
 and versions ran. vLLM's own client, ``vllm bench serve``, can drive either server as a second,
-independent check (docs/RESULTS.md).
+independent check (docs/RESULTS.md). While a server runs, its ``/metrics`` is polled every 0.5 s
+(``MetricsWatch``: running, waiting and, for rung 12's controller, the cap) and read once at the
+end (preemptions); both servers export those names.
 
 ``offline`` is not a server: the same requests at the same arrival times go through the same
 engine in this process (``LLM.run``), with no HTTP, no engine-loop thread and no streaming. Set
