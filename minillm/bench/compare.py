@@ -199,27 +199,18 @@ def metric_values(text: str) -> dict[str, float]:
     return values
 
 
-def preemptions(url: str) -> int | None:
-    """The server's ``vllm:num_preemptions_total`` (both servers export it), or None if its
-    ``/metrics`` does not answer or lacks it: how often a policy evicted running requests."""
-    try:
-        found = metric_values(httpx.get(f"{url}/metrics", timeout=10.0).text)
-    except httpx.HTTPError:
-        return None
-    value = found.get("vllm:num_preemptions_total")
-    return None if value is None else int(value)
-
-
 class MetricsWatch:
     """``with MetricsWatch(url) as watch:`` polls the server's ``/metrics`` every ``period_s``
     on a thread while the block runs: ``watch.samples`` = [[seconds, running, waiting, cap], ...]
     (cap: rung 12's ``minillm:batch_cap``, None where the server has none). The per-step story of
-    a burst (who waited, how the cap moved) that the run's percentiles flatten."""
+    a burst (who waited, how the cap moved) that the run's percentiles flatten. One more scrape
+    when the block ends gives ``preemptions``, the run's ``vllm:num_preemptions_total``."""
 
     NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "minillm:batch_cap")
 
     def __init__(self, url: str, period_s: float = 0.5):
         self.url, self.period_s, self.samples = url, period_s, []
+        self.final: dict[str, float] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, name="metrics-watch", daemon=True)
 
@@ -231,16 +222,28 @@ class MetricsWatch:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(15.0)
+        with httpx.Client(timeout=10.0) as client:
+            self.final = self._scrape(client) or {}
+
+    @property
+    def preemptions(self) -> int | None:
+        """How often the server evicted running requests (both servers export the counter)."""
+        value = self.final.get("vllm:num_preemptions_total")
+        return None if value is None else int(value)
+
+    def _scrape(self, client: httpx.Client) -> dict[str, float] | None:
+        try:
+            return metric_values(client.get(f"{self.url}/metrics").text)
+        except (httpx.HTTPError, ValueError):
+            return None                       # a busy or stopping server: the next poll
 
     def _poll(self) -> None:
         with httpx.Client(timeout=5.0) as client:
             while not self.stop.wait(self.period_s):
-                try:
-                    found = metric_values(client.get(f"{self.url}/metrics").text)
-                except (httpx.HTTPError, ValueError):
-                    continue                  # a busy or stopping server: the next poll
-                self.samples.append([round(time.monotonic() - self.t0, 2),
-                                     *(found.get(n) for n in self.NAMES)])
+                found = self._scrape(client)
+                if found is not None:
+                    self.samples.append([round(time.monotonic() - self.t0, 2),
+                                         *(found.get(n) for n in self.NAMES)])
 
 
 def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_seqs: int,
@@ -312,6 +315,5 @@ def side_by_side(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OFFLINE", "SERVERS", "MetricsWatch", "free_port", "metric_values", "preemptions",
-           "run_offline", "group_members", "server_command",
-           "side_by_side", "split_name", "started", "stop"]
+__all__ = ["OFFLINE", "SERVERS", "MetricsWatch", "free_port", "metric_values", "run_offline",
+           "group_members", "server_command", "side_by_side", "split_name", "started", "stop"]

@@ -22,8 +22,8 @@ import random
 
 from ..workload import arrival_offsets
 from .client import make_bodies, report, run, summarize
-from .compare import (OFFLINE, SERVERS, MetricsWatch, preemptions, run_offline, side_by_side,
-                      split_name, started)
+from .compare import (OFFLINE, SERVERS, MetricsWatch, run_offline, side_by_side, split_name,
+                      started)
 from .mixed import MIXES, by_class, class_table, make_mixed_bodies
 
 
@@ -131,6 +131,7 @@ def drive(url: str, bodies: list[dict], rate: float, concurrency: int | None, se
                                             burst=burst))
     m = summarize(results, duration)
     m["timeline"] = watch.samples         # [seconds, running, waiting, batch cap] every 0.5 s
+    m["preemptions"] = watch.preemptions
     print(report(m, rate, concurrency))
     if classes is not None:
         m["classes"] = by_class(results, classes, duration, mix)
@@ -177,7 +178,6 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                          log_dir, extra=extra, dtype=dtype) as url:
                 results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
                                       classes, args.mix, burst)
-                results[name]["preemptions"] = preemptions(url)
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1

@@ -167,7 +167,7 @@ class TPOTController(Deaf):
         return BatchDecision(old, self.cap, t, *self.fit)
 
     def _fit(self) -> tuple[float, float]:
-        """(a, b) of ``t = a + b n``; without a spread of sizes, the last ``a`` and the mean step."""
+        """(a, b) of ``t = a + b n``; with no spread of sizes, the last ``a`` and the mean step."""
         mn, mt, mnn, mnt = self.moments
         var = mnn - mn * mn
         if var > 1.0:                     # at least a token of spread

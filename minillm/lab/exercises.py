@@ -126,7 +126,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "alpha on the newest; the first step is taken as it is). The fit is least squares, "
              "b = (E[nt] - E[n]E[t]) / (E[n²] - E[n]²), a = E[t] - b E[n]; when the sizes have "
              "no spread (variance <= 1) or the fit gives b <= 0 or a < 0, keep the last fit's a "
-             "if it is below E[t] (else a = 0) and b = (E[t] - a) / E[n]. The cap is floor((headroom * target - a) / b), within [1, ceiling]. "
+             "if it is below E[t] (else a = 0) and b = (E[t] - a) / E[n]. The cap is "
+             "floor((headroom * target - a) / b), within [1, ceiling]. "
              "Narrow at once; widen only by more than max(1, cap // 50) tokens; return a "
              "BatchDecision exactly when the cap moved (a step of no tokens, or a time that is "
              "negative or not finite, is ignored)."),
