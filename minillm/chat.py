@@ -25,27 +25,30 @@ def control_tokens(tokenizer) -> dict[str, int]:
     return {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """``messages`` (checked by the caller: dicts with string role and content) through the
-    tokenizer's chat template, the assistant turn's header added; user text never becomes a
+    tokenizer's chat template, the assistant turn's header added (unless
+    ``add_generation_prompt`` is False: ``/tokenize`` may ask so); user text never becomes a
     control token. A role holding control-token text is refused; so is control-token text in the
     content when the template edits content (the text rendered with the placeholders filled in
     differs from the text rendered from the messages: where the user's text lies is unknown)."""
     controls = control_tokens(tokenizer)
     if not controls:            # (the tiny model's byte tokenizer: no text is a control token)
-        return render_ids(tokenizer, messages)
+        return render_ids(tokenizer, messages, add_generation_prompt)
     pattern = re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True))))
     for i, m in enumerate(messages):
         if pattern.search(m["role"]):
             raise RequestError(f"messages[{i}].role contains the control token "
                                f"{pattern.search(m['role']).group()!r}")
     marked = [{**m, "content": f"{OPEN}{i}{CLOSE}"} for i, m in enumerate(messages)]
-    text = render_text(tokenizer, marked)
+    text = render_text(tokenizer, marked, add_generation_prompt)
     parts = re.split(f"{OPEN}(\\d+){CLOSE}", text)    # template, index, template, index, ...
     indexes = [int(k) for k in parts[1::2]]
     filled = "".join(messages[int(p)]["content"] if j % 2 else p for j, p in enumerate(parts))
-    if sorted(indexes) != list(range(len(messages))) or filled != render_text(tokenizer, messages):
-        return fallback(tokenizer, messages, pattern)   # the template edits (or drops) content
+    if sorted(indexes) != list(range(len(messages))) or \
+            filled != render_text(tokenizer, messages, add_generation_prompt):
+        # the template edits (or drops) content
+        return fallback(tokenizer, messages, pattern, add_generation_prompt)
     ids, chunk = [], []
     for j, part in enumerate(parts):
         if j % 2:                                      # a message's content: text, whatever it says
@@ -66,23 +69,25 @@ def as_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def render_text(tokenizer, messages: list[dict]) -> str:
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              tokenize=False)
     except Exception as e:   # the template itself refused (e.g. an unknown role)
         raise RequestError(f"the chat template rejected these messages: {e}") from None
 
 
-def render_ids(tokenizer, messages: list[dict]) -> list[int]:
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True)
     except Exception as e:
         raise RequestError(f"the chat template rejected these messages: {e}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def fallback(tokenizer, messages: list[dict], pattern: re.Pattern) -> list[int]:
+def fallback(tokenizer, messages: list[dict], pattern: re.Pattern,
+             add_generation_prompt: bool = True) -> list[int]:
     """A template that edits content cannot be told apart from its user's text: render
     normally, unless some content holds control-token text (refused)."""
     for i, m in enumerate(messages):
@@ -91,4 +96,4 @@ def fallback(tokenizer, messages: list[dict], pattern: re.Pattern) -> list[int]:
             raise RequestError(f"messages[{i}].content contains the control token "
                                f"{found.group()!r}, which this model's chat template cannot "
                                "keep as text")
-    return render_ids(tokenizer, messages)
+    return render_ids(tokenizer, messages, add_generation_prompt)

@@ -1,6 +1,7 @@
 """The checks every value a user sends passes (``SamplingParams``, ``Request``, the engines'
 configs): a bad one is a ``ValueError`` naming the field and the value, raised when the object is
-made, never mid-step inside the engine."""
+made, never mid-step inside the engine; a ``FieldError`` (a ValueError) also names the field as
+data, for a server to name it in its error without parsing the message."""
 from __future__ import annotations
 
 import math
@@ -28,6 +29,16 @@ FIELD_RANGES: dict[str, tuple[int, int]] = {
 }
 
 
+class FieldError(ValueError):
+    """A ValueError about one field, which it names: ``field`` is the field's name as the caller
+    spelled it (``"min_tokens"``, ``"structured_outputs.choice"``), so a server can say which
+    field was wrong (its error's ``param``) without reading the message."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def show(value) -> str:
     """``value`` for an error message; a huge integer by its size (its repr could be thousands of
     digits, and Python refuses to print more than 4,300)."""
@@ -41,30 +52,37 @@ def show(value) -> str:
     return f"{'a negative' if value < 0 else 'an'} integer of {digits} digits"
 
 
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a plain int, or a ValueError that names the field and the value.
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None,
+              field: str | None = None) -> int:
+    """``value`` as a plain int, or a ``FieldError`` that names the field and the value
+    (``field``: the field it belongs to, when ``name`` says more, e.g. ``"logit_bias key"``).
 
     Integer-like values (numpy ints) are accepted; bools, floats and strings are not. With a
     ``maximum``, both bounds are inclusive."""
+    field = field or name
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        raise FieldError(field, f"{name} must be an integer, got {value!r} "
+                                f"({type(value).__name__})")
     low = minimum is not None and value < minimum
     if maximum is not None and (low or value > maximum):
-        raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}], got {show(value)}")
+        raise FieldError(field, f"{name} must be an integer in [{minimum}, {maximum}], got "
+                                f"{show(value)}")
     if low:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {show(value)}")
+        raise FieldError(field, f"{name} must be an integer >= {minimum}, got {show(value)}")
     return int(value)
 
 
-def check_field(name: str, value) -> int:
+def check_field(name: str, value, field: str | None = None) -> int:
     """``check_int`` with the range ``FIELD_RANGES`` gives the user-sent field ``name``."""
-    return check_int(name, value, *FIELD_RANGES[name])
+    return check_int(name, value, *FIELD_RANGES[name], field=field)
 
 
-def check_float(name: str, value) -> float:
-    """``value`` as a finite float, or a ValueError that names the field and the value."""
+def check_float(name: str, value, field: str | None = None) -> float:
+    """``value`` as a finite float, or a ``FieldError`` that names the field and the value."""
+    field = field or name
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise FieldError(field, f"{name} must be a number, got {value!r} "
+                                f"({type(value).__name__})")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise FieldError(field, f"{name} must be a finite number, got {value!r}")
     return float(value)

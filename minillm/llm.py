@@ -53,9 +53,10 @@ class LLM:
         self._ids = itertools.count()   # request ids, unique for the life of this LLM
 
     # --- prompts -> token ids ----------------------------------------------------------------------
-    def encode_chat(self, messages) -> list[int]:
-        """Apply the model's chat template (adds the assistant turn header); what the messages
-        say is tokenized as text, never as control tokens (``chat.py``)."""
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Apply the model's chat template (adds the assistant turn header, unless
+        ``add_generation_prompt`` is False); what the messages say is tokenized as text, never
+        as control tokens (``chat.py``)."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, m in enumerate(messages):
@@ -64,7 +65,7 @@ class LLM:
                 raise RequestError(f"messages[{i}] must be a dict with string 'role' and "
                                    f"'content', got {m!r:.80}")
             check_text(m["content"], f"messages[{i}].content")
-        return encode_chat(self.tokenizer, messages)
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

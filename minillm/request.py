@@ -11,7 +11,7 @@ from enum import Enum
 
 from .checks import check_field, check_float
 from .sampling_params import SamplingParams   # defined there, re-exported here (the API)
-from .structured import GrammarState
+from .structured import NO_TOKEN, GrammarState
 
 TokenLogprobs = dict[int, float]     # token id -> log-probability (the chosen token always in it)
 
@@ -22,9 +22,18 @@ class FinishReason(str, Enum):
     ABORT = "abort"      # cancelled by the caller
     ERROR = "error"      # rejected: see RequestOutput.error
 
+    def __str__(self) -> str:
+        """``print`` and f-strings give ``length``, as the JSON outputs and the server do."""
+        return self.value
+
 
 class RequestError(ValueError):
-    """A request that cannot be served: it gets an error output, the others go on."""
+    """A request that cannot be served: it gets an error output, the others go on. ``field``:
+    the ``SamplingParams`` field that makes it unservable, when one does (None: its prompt)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -161,7 +170,8 @@ class Request:
         ``first_token_time``. ``sample=None`` (a beam step: its tokens land when the search
         ends, through ``set_final``) only stamps the time. ``logprobs[i]`` (``params.logprobs``)
         lands with ``tokens[i]``. Each landed token advances the sample's grammar (structured
-        output), and a complete grammar ends the sample ("stop")."""
+        output), and a complete grammar ends the sample ("stop"); ``NO_TOKEN`` (its grammar
+        allowed none) lands nothing and ends it with an error, which fails the request."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter() if now is None else now
         if sample is None:
@@ -170,6 +180,10 @@ class Request:
             self.outputs.append(SampleOutput(len(self.outputs), logprobs=self._new_logprobs()))
         out = self.outputs[sample]
         for i, token in enumerate(tokens):
+            if token == NO_TOKEN and self.grammar is not None:
+                out.finish_reason = FinishReason.ERROR
+                self.error = self.error or self.grammar.dead_end(len(out.token_ids))
+                return i, FinishReason.ERROR
             if out.logprobs is not None and logprobs is not None:
                 out.logprobs.append(logprobs[i])      # before the token: readers index by it
             out.token_ids.append(token)
@@ -217,6 +231,9 @@ class Request:
         return self.finished
 
     def finish(self, reason: FinishReason, now: float | None = None, error: str | None = None):
+        """End the request; one whose sample already failed (``commit``) ends with its error."""
+        if error is None and self.error is not None:
+            reason, error = FinishReason.ERROR, self.error
         self.finish_reason = reason
         self.error = error
         self.finish_time = now if now is not None else time.perf_counter()

@@ -8,7 +8,9 @@ alone, in a batch of 64, or was preempted and recomputed halfway. (Its logits ca
 the last fp32 bit between batch shapes; that only matters at exact near-ties.) The controls keep
 that promise: each is a per-row tensor operation over the rows that use one, depending only on
 the row's own logits, parameters and tokens. So does structured output: a constrained row's
-grammar mask (``structured.apply_grammar_masks``) comes first, in place, from its own matcher.
+grammar mask (``structured.apply_grammar_masks``) comes first, in place, from its own matcher;
+a row whose grammar allows no token at all is not drawn from: it gets ``NO_TOKEN``, which ends
+its request with an error at the commit (``Request.commit``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import random
 import torch
 
 from .request import Request, SamplingParams
-from .structured import apply_grammar_masks, row_matcher
+from .structured import NO_TOKEN, apply_grammar_masks, row_matcher
 
 # (prompt token ids, output token ids) of a row: what penalties and min_tokens look at
 History = tuple[list[int], list[int]]
@@ -40,10 +42,12 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], indices: l
     """Row i: output token number ``indices[i]`` of sample ``sample_ids[i]`` (n > 1), drawn with
     ``params[i]``; ``histories[i]`` is needed when a row uses a control (penalties,
     ``min_tokens``...); ``matchers[i]``, when not None, is the row's grammar (structured output):
-    its mask is applied to ``logits`` in place, first. Greedy rows are one batched argmax;
-    sampled rows are drawn one by one."""
+    its mask is applied to ``logits`` in place, first, and a row it allows no token gets
+    ``NO_TOKEN`` instead of a draw. Greedy rows are one batched argmax; sampled rows are drawn
+    one by one."""
+    dead = set()
     if matchers is not None and any(m is not None for m in matchers):
-        apply_grammar_masks(logits, matchers)
+        dead = set(apply_grammar_masks(logits, matchers))
     rows, processed = apply_controls(logits, params, histories, eos_ids)
     at = {r: j for j, r in enumerate(rows)}
     greedy = logits.argmax(dim=-1).tolist()
@@ -51,7 +55,9 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], indices: l
         greedy[rows[j]] = token
     out = []
     for i, p in enumerate(params):
-        if p.greedy:
+        if i in dead:
+            out.append(NO_TOKEN)
+        elif p.greedy:
             out.append(greedy[i])
         else:
             row = processed[at[i]] if i in at else logits[i].float()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .checks import INT32_MAX, check_field, check_float, check_int
+from .checks import INT32_MAX, FieldError, check_field, check_float, check_int
 from .structured import StructuredOutputsParams
 
 # Below this a temperature is treated as 0 (greedy), as vLLM does: dividing logits by 1e-38
@@ -60,7 +60,8 @@ class SamplingParams:
     masked distribution, as in vLLM), and the output ends ("stop") when the grammar is complete.
 
     Every field is checked, by type and by value, when the object is made: a bad one raises a
-    ``ValueError`` naming the field and the value. The object is frozen, so it stays valid: to
+    ``ValueError`` naming the field and the value (a ``checks.FieldError``: its ``field`` names
+    it for a program). The object is frozen, so it stays valid: to
     change a field, make a new one (``dataclasses.replace(params, seed=1)``, which checks again).
     Integer ranges (inclusive, ``FIELD_RANGES``): ``max_tokens`` 1..2**31-1, ``top_k``
     0..2**31-1, ``seed`` -2**63..2**63-1, ``n`` and ``beam_width`` 1..2**31-1, each of
@@ -90,26 +91,28 @@ class SamplingParams:
         self._set("max_tokens", check_field("max_tokens", self.max_tokens))
         self._set("temperature", check_float("temperature", self.temperature))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise FieldError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
         if self.temperature < MIN_TEMPERATURE:
             self._set("temperature", 0.0)
         self._set("top_p", check_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         self._set("top_k", check_field("top_k", self.top_k))
         if self.seed is not None:
             self._set("seed", check_field("seed", self.seed))
         self._set("stop_token_ids", self._check_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise FieldError("ignore_eos", f"ignore_eos must be True or False, got "
+                                           f"{self.ignore_eos!r}")
         self._set("n", check_field("n", self.n))
         self._set("beam_width", check_field("beam_width", self.beam_width))
         if self.n > 1 and self.beam_width > 1:
-            raise ValueError(f"n={self.n} and beam_width={self.beam_width}: choose parallel "
-                             "sampling (n) or beam search (beam_width), not both")
+            raise FieldError("n", f"n={self.n} and beam_width={self.beam_width}: choose "
+                             "parallel sampling (n) or beam search (beam_width), not both")
         if self.beam_width > 1 and self.temperature > 0:
-            raise ValueError(f"beam search is deterministic: beam_width={self.beam_width} needs "
-                             f"temperature=0, got temperature={self.temperature!r}")
+            raise FieldError("temperature", f"beam search is deterministic: beam_width="
+                             f"{self.beam_width} needs temperature=0, got temperature="
+                             f"{self.temperature!r}")
         self._check_logprobs()
         self._check_controls()
         self._check_structured()
@@ -122,25 +125,27 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 self._set(name, check_int(name, getattr(self, name), 0, MAX_LOGPROBS))
         if self.logprobs is not None and self.beam_width > 1:
-            raise ValueError(f"logprobs={self.logprobs} needs beam_width=1: a beam's tokens are "
-                             f"chosen by the search, got beam_width={self.beam_width}")
+            raise FieldError("logprobs", f"logprobs={self.logprobs} needs beam_width=1: a beam's "
+                             f"tokens are chosen by the search, got beam_width={self.beam_width}")
 
     def _check_controls(self) -> None:
         for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                                 ("min_p", 0.0, 1.0)):
             value = check_float(name, getattr(self, name))
             if not low <= value <= high:
-                raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+                raise FieldError(name, f"{name} must be in [{low}, {high}], got {value!r}")
             self._set(name, value)
         self._set("repetition_penalty", check_float("repetition_penalty", self.repetition_penalty))
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise FieldError("repetition_penalty", f"repetition_penalty must be > 0, got "
+                                                   f"{self.repetition_penalty!r}")
         self._set("min_tokens", check_int("min_tokens", self.min_tokens, 0, self.max_tokens))
         self._set("logit_bias", self._check_bias(self.logit_bias))
         used = [f for f in CONTROL_FIELDS if getattr(self, f) != NEUTRAL[f]]
         if used and self.beam_width > 1:
-            raise ValueError(f"{used[0]}={getattr(self, used[0])!r} needs beam_width=1: beam "
-                             f"search ranks raw log-probabilities, got beam_width={self.beam_width}")
+            raise FieldError(used[0], f"{used[0]}={getattr(self, used[0])!r} needs beam_width=1: "
+                             f"beam search ranks raw log-probabilities, got beam_width="
+                             f"{self.beam_width}")
 
     def _check_structured(self) -> None:
         so = self.structured_outputs
@@ -148,37 +153,40 @@ class SamplingParams:
             return
         self._set("structured_outputs", StructuredOutputsParams.coerce(so))
         if self.beam_width > 1:     # a beam would need a matcher per hypothesis, forked and ranked
-            raise ValueError(f"structured_outputs needs beam_width=1, got beam_width="
-                             f"{self.beam_width}")
+            raise FieldError("structured_outputs", f"structured_outputs needs beam_width=1, got "
+                             f"beam_width={self.beam_width}")
         if self.min_tokens:         # a complete grammar allows only EOS, which min_tokens forbids
-            raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with "
-                             "structured_outputs: the grammar decides where the output ends")
+            raise FieldError("min_tokens", f"min_tokens={self.min_tokens} cannot be combined "
+                             "with structured_outputs: the grammar decides where the output ends")
 
     @staticmethod
     def _check_bias(bias) -> tuple[tuple[int, float], ...]:
         if not isinstance(bias, (dict, list, tuple)):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            raise FieldError("logit_bias", f"logit_bias must be a dict of token id -> bias, got "
+                             f"{bias!r}")
         items = list(bias.items() if isinstance(bias, dict) else bias)
         if len(items) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got "
-                             f"{len(items)}")
+            raise FieldError("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} "
+                             f"entries, got {len(items)}")
         out = {}
         for pair in items:
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {pair!r}")
-            token = check_int("logit_bias key", pair[0], 0, INT32_MAX)
-            value = check_float(f"logit_bias[{token}]", pair[1])
+                raise FieldError("logit_bias", f"logit_bias must be a dict of token id -> bias, "
+                                 f"got {pair!r}")
+            token = check_int("logit_bias key", pair[0], 0, INT32_MAX, field="logit_bias")
+            value = check_float(f"logit_bias[{token}]", pair[1], field="logit_bias")
             if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value!r}")
+                raise FieldError("logit_bias", f"logit_bias[{token}] must be in [-100, 100], "
+                                               f"got {value!r}")
             out[token] = value
         return tuple(sorted(out.items()))
 
     @staticmethod
     def _check_stop_ids(ids) -> tuple[int, ...]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r} "
-                             f"({type(ids).__name__})")
-        return tuple(check_field("stop_token_ids[]", t) for t in ids)
+            raise FieldError("stop_token_ids", f"stop_token_ids must be a list of token ids, "
+                             f"got {ids!r} ({type(ids).__name__})")
+        return tuple(check_field("stop_token_ids[]", t, field="stop_token_ids") for t in ids)
 
     @classmethod
     def coerce(cls, params) -> "SamplingParams":

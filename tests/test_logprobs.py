@@ -213,3 +213,23 @@ def test_chat_top_logprobs_needs_logprobs(api):
                                                                       "content": "hi"}],
                                        top_logprobs=2, max_tokens=2)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_what_json_cannot_carry_is_clamped_to_finite_values():
+    """JSON has no NaN or infinity (Starlette's encoder refuses them: a 500): -inf and NaN (a row
+    with no allowed token, which the sampler never draws from) are sent as the floor, +inf as 0;
+    the objects built from them encode."""
+    import json
+    import math
+    from minillm.serve.logprobs import FLOOR, clamp, completion_logprobs, TokenText
+    nan, inf = float("nan"), float("inf")
+    assert clamp(nan) == FLOOR and clamp(-inf) == FLOOR and clamp(-1e30) == FLOOR
+    assert clamp(inf) == 0.0 and clamp(-0.5) == -0.5 and clamp(0.0) == 0.0
+
+    class Tok:
+        def decode(self, ids):
+            return "".join(chr(97 + i) for i in ids)
+
+    obj, _ = completion_logprobs(TokenText(Tok()), [0, 1], [{0: nan, 1: -inf}, {1: nan, 2: inf}])
+    text = json.dumps(obj, allow_nan=False)
+    assert all(math.isfinite(v) for v in obj["token_logprobs"]), text

@@ -59,7 +59,7 @@ def test_each_model_name_gets_its_adapter_s_tokens(tiny, modules):
                 assert body["model"] == (name or served)
                 assert body["choices"][0]["token_ids"] == ids, name
         status, body = post(base, "/v1/completions", {"model": "sq1", "prompt": "x"})
-        assert status == 400 and body["error"]["param"] == "model"
+        assert status == 404 and body["error"]["param"] == "model"
         assert "'sq1' does not exist" in body["error"]["message"] and "'sql'" in body["error"]["message"]
         status, body = post(base, "/tokenize", {"model": "sql", "prompt": "hello"})
         assert status == 200 and body["count"] > 0

@@ -446,3 +446,44 @@ def test_huge_integers_are_400s_naming_the_field_while_others_are_served(tiny, o
         assert result["r"].status_code == 200, result["r"].text
         assert result["r"].json()["choices"][0]["token_ids"] == want.token_ids
         assert_still_serving(url, app, offline)
+
+
+# --- issue 55: strict numbers, 404s that help ---------------------------------------------------
+@pytest.mark.parametrize("field,value,ok", [
+    ("temperature", 1, True), ("temperature", 0.5, True), ("temperature", "1", False),
+    ("temperature", True, False), ("top_p", 1, True), ("top_p", "0.9", False),
+    ("presence_penalty", False, False), ("frequency_penalty", "0", False), ("min_p", True, False),
+    ("repetition_penalty", "1.1", False), ("ttft_slo_ms", "5", False), ("ttft_slo_ms", 5, True),
+    ("max_tokens", 4, True), ("max_tokens", "4", False), ("max_tokens", True, False),
+    ("max_tokens", 4.0, False), ("seed", True, False),
+])
+def test_number_fields_take_json_numbers_only(server, field, value, ok):
+    """A float field takes what OpenAI's schema calls a number (a JSON integer or float), an
+    integer field a JSON integer: never a string or a bool, which is a 400 naming the field."""
+    url, app = server
+    r = post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value})
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        err = error_of(r, 400)
+        assert err["param"] == field and field in err["message"], err
+    r = post(url, "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, field: value,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == (200 if ok else 400), r.text
+    r = post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                        "logit_bias": {"5": value}})
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        assert error_of(r, 400)["param"] == "logit_bias.5"
+
+
+def test_an_unknown_route_lists_every_route_and_an_unknown_model_is_a_404(server):
+    url, app = server
+    err = error_of(httpx.get(f"{url}/v1/nothing", timeout=30), 404)
+    for route in app.routes:
+        assert route.path in err["message"], (route.path, err["message"])
+    assert "POST /v1/chat/completions" in err["message"] and "GET /health" in err["message"]
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = error_of(post(url, path, json={"model": "gpt-4", **body}), 404)
+        assert err["param"] == "model" and err["code"] == "model_not_found", err
+        assert "'gpt-4' does not exist" in err["message"] and MODEL in err["message"]

@@ -47,7 +47,10 @@ def test_bad_bodies_are_400s_naming_the_field(server):
         ("/tokenize", {"model": name, "prompt": ""}, "prompt"),                     # empty
         ("/tokenize", {"model": name, "prompt": 7}, "prompt"),                      # not text
         ("/tokenize", {"model": name, "prompt": "a", "add": 1}, "add"),             # unknown
-        ("/tokenize", {"model": "gpt-4", "prompt": "a"}, "model"),
+        ("/tokenize", {"model": name, "prompt": "a", "add_generation_prompt": False},
+         "add_generation_prompt"),                                                 # chat only
+        ("/tokenize", {"model": name, "prompt": "a", "add_special_tokens": 1},
+         "add_special_tokens"),
         ("/detokenize", {"model": name, "tokens": [1, vocab]}, "tokens"),
         ("/detokenize", {"model": name, "tokens": [-1]}, "tokens"),
         ("/detokenize", {"model": name, "tokens": ["1"]}, "tokens"),
@@ -58,5 +61,40 @@ def test_bad_bodies_are_400s_naming_the_field(server):
         assert r.status_code == 400, (path, body, r.text)
         err = r.json()["error"]
         assert field in (err.get("param") or "") + err["message"], (path, body, err)
+    # an unknown model is a 404, as OpenAI and vLLM answer it
+    for path, body in (("/tokenize", {"model": "gpt-4", "prompt": "a"}),
+                       ("/detokenize", {"model": "gpt-4", "tokens": [5]})):
+        r = post(url, path, body)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["param"] == "model" and err["code"] == "model_not_found", err
     # the server still serves afterwards
     assert post(url, "/tokenize", {"model": name, "prompt": "ok"}).status_code == 200
+
+
+def test_tokenize_takes_vllms_special_token_and_generation_prompt_options(server, offline):
+    """``add_special_tokens`` (default: true for a prompt, false for messages) and, for
+    messages, ``add_generation_prompt`` (default true), as vLLM's /tokenize takes them."""
+    url, app = server
+    name, tok = app.state.model_name, offline.tokenizer
+
+    def ids(body: dict) -> list[int]:
+        r = post(url, "/tokenize", {"model": name, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    text = "Paged attention"
+    assert ids({"prompt": text}) == ids({"prompt": text, "add_special_tokens": True}) \
+        == tok.encode(text, add_special_tokens=True)
+    assert ids({"prompt": text, "add_special_tokens": False}) == \
+        tok.encode(text, add_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=True) != tok.encode(text, add_special_tokens=False)
+    chat = [{"role": "user", "content": "Hi"}]
+    asked = ids({"messages": chat})
+    assert asked == offline.encode_chat(chat) == ids({"messages": chat,
+                                                      "add_generation_prompt": True})
+    bare = ids({"messages": chat, "add_generation_prompt": False})
+    assert bare == tok.apply_chat_template(chat, add_generation_prompt=False, tokenize=True)
+    assert asked[:len(bare)] == bare and len(asked) > len(bare)   # the assistant's header
+    bos = tok.encode("", add_special_tokens=True)
+    assert ids({"messages": chat, "add_special_tokens": True}) == bos + asked

@@ -23,6 +23,9 @@ import torch
 
 from minillm import LLM, SamplingParams
 from minillm.request import Request, RequestError
+from minillm import grammar_compiler
+from minillm.checks import FieldError
+from minillm.structured import MAX_CHOICES, MAX_GRAMMAR_BYTES, MAX_REGEX_BYTES, MAX_SCHEMA_DEPTH
 from minillm.structured import StructuredOutputsParams as SO
 from minillm.structured import compiler_for
 from serve_util import running_server
@@ -149,6 +152,20 @@ def test_grammars_are_compiled_once_per_spec(tiny):
     assert compiler.compile(SO(json=SCHEMAS["nested"], disable_any_whitespace=True)) is not a
 
 
+def nested(depth: int) -> dict:
+    """A schema whose JSON nests ``depth`` levels deep (each object level adds two)."""
+    schema: dict = {"type": "string"}
+    for _ in range((depth - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return {"x": schema} if depth % 2 == 0 else schema
+
+
+def looped() -> dict:
+    """A dict that contains itself (JSON cannot say it; a Python caller can)."""
+    schema: dict = {"type": "object", "properties": {}}
+    schema["properties"]["self"] = schema
+    return schema
+
 @pytest.mark.parametrize("bad,match", [
     (dict(json={"type": "foo"}), 'structured_outputs.json: invalid json: Unsupported type "foo"'),
     (dict(json="{not json"), "structured_outputs.json is not valid JSON"),
@@ -159,10 +176,32 @@ def test_grammars_are_compiled_once_per_spec(tiny):
     (dict(json_object=True, regex="a"), "exactly one of json, regex, choice, json_object"),
     (dict(), "exactly one of"),
     (dict(regex="a", color=1), "unknown structured_outputs field"),
+    (dict(choice=[str(i) for i in range(MAX_CHOICES + 1)]),
+     f"structured_outputs.choice has {MAX_CHOICES + 1} choices, more than the {MAX_CHOICES}"),
+    (dict(regex="a" * (MAX_REGEX_BYTES + 1)),
+     f"structured_outputs.regex is {MAX_REGEX_BYTES + 1} bytes, more than the"),
+    (dict(json=json.dumps({"description": "é" * MAX_GRAMMAR_BYTES})),
+     "structured_outputs.json is .* bytes, more than the"),
+    (dict(json=nested(MAX_SCHEMA_DEPTH + 1)), f"nests more than {MAX_SCHEMA_DEPTH} levels"),
+    (dict(json="[" * 50_000 + "]" * 50_000), "not valid JSON: it is nested too deeply"),
+    (dict(json=looped()), f"nests more than {MAX_SCHEMA_DEPTH} levels"),
 ])
 def test_bad_specs_are_value_errors_naming_the_problem(bad, match):
-    with pytest.raises(ValueError, match=match):
+    """Each names its field, in the message and as data (``FieldError.field``, the server's
+    ``param``); the size limits are checked before xgrammar parses anything."""
+    with pytest.raises(FieldError, match=match) as e:
         SamplingParams(structured_outputs=bad)
+    assert e.value.field.startswith("structured_outputs")
+
+
+def test_the_size_limits_admit_the_largest_grammar_they_allow(tiny):
+    choices = [f"{i:05d}" for i in range(MAX_CHOICES)]
+    so = SO(choice=choices)
+    assert len(so.choice) == MAX_CHOICES
+    SO(json=nested(MAX_SCHEMA_DEPTH))
+    SO(regex="a" * MAX_REGEX_BYTES)
+    SO(json={"description": "d" * (MAX_GRAMMAR_BYTES - 100)})
+
 
 
 def test_combinations_that_cannot_work_are_refused(tiny):
@@ -243,7 +282,7 @@ def test_the_server_takes_response_format_and_structured_outputs(tiny):
                 "name": "x", "schema": {"type": "foo"}}}}, "response_format", "Unsupported type"),
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
              "response_format", "needs json_schema.schema"),
-            ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
+            ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "regex"),
             ({"response_format": {"type": "json_object"},
               "structured_outputs": {"regex": "a"}}, "response_format", "exactly one")]:
             r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
@@ -309,3 +348,87 @@ def test_the_mask_bench_times_both_fills_and_refuses_too_few_steps(capsys):
     with pytest.raises(SystemExit):
         structured_mask.main(["--model", "tiny-llama", "--steps", "5"])
     assert "--steps" in capsys.readouterr().err
+
+
+# --- issue 55: grammars that admit nothing, dead ends, the compile cache -------------------------
+@pytest.mark.parametrize("so,field", [(SO(regex=r"[^\s\S]"), "structured_outputs.regex"),
+                                      (SO(json={"$ref": "#"}), "structured_outputs.json")])
+def test_a_grammar_that_admits_no_string_is_refused(paged, so, field):
+    """Refused when compiled (its first mask allows no token), not run to a garbage "stop"."""
+    out = paged.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=so))[0]
+    assert out.finish_reason == "error" and f"{field} admits no string" in out.error
+    assert out.token_ids == []
+    assert_pool_full(paged)
+
+
+@pytest.mark.parametrize("engine", ["paged", "dynamic", "paged+ngram", "paged+draft"])
+def test_a_row_whose_grammar_allows_no_token_is_not_sampled(tiny, engine):
+    """``a[^\\s\\S]`` allows "a", then nothing: that row gets no draw (no token 0 marked
+    "stop"), its request alone fails, naming the field, with the logprobs of what it did commit
+    (finite); the rows beside it sample exactly what they sample alone. Rung 6 too, whose
+    verification masks the rows of a sequence's guesses."""
+    llm = LLM(tiny, engine=engine)
+    free = [SamplingParams(max_tokens=16, ignore_eos=True),
+            SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=7)]
+    alone = llm.generate(PROMPTS[:2], free)
+    dead = SamplingParams(max_tokens=8, temperature=0.8, seed=1,
+                          structured_outputs=SO(regex=r"a[^\s\S]"),
+                          logprobs=2 if engine == "paged" else None)
+    mixed = llm.generate(PROMPTS[:3], free + [dead])
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+    out = mixed[2]
+    assert out.finish_reason == "error", out
+    assert "structured_outputs.regex: the grammar allows no token after the 1 token" in out.error
+    assert out.text == "a"
+    if engine == "paged":
+        assert len(out.logprobs) == 1 and all(v == v for v in out.logprobs[0].values())
+    if engine.startswith("paged"):
+        assert llm.engine.kv_counts().allocated == 0
+
+
+def test_a_grammar_compiles_once_for_threads_that_ask_together(tiny, monkeypatch):
+    """Four threads ask for one new grammar while its compile is held: one compile, one result;
+    the lock is not held while compiling (another grammar compiles meanwhile)."""
+    import threading
+    compiler = compiler_for(tiny.tokenizer, tiny.config.vocab_size, tiny.eos_token_ids)
+    entered, release, calls = threading.Event(), threading.Event(), []
+    real = grammar_compiler.GrammarCompiler.build
+
+    def held(self, so):
+        calls.append(so.choice)
+        if so.choice == ("together-1", "together-2"):
+            entered.set()
+            release.wait(120)
+        return real(self, so)
+
+    monkeypatch.setattr(grammar_compiler.GrammarCompiler, "build", held)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(compiler.compile(
+        SO(choice=["together-1", "together-2"])))) for _ in range(4)]
+    threads[0].start()
+    assert entered.wait(60)
+    for t in threads[1:]:
+        t.start()
+    try:
+        other = compiler.compile(SO(choice=["meanwhile"]))    # not blocked by the held one
+        assert other is not None
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+    assert len(got) == 4 and all(g is got[0] for g in got)
+    assert calls.count(("together-1", "together-2")) == 1
+
+
+def test_the_compile_cache_is_bounded(tiny, monkeypatch):
+    compiler = grammar_compiler.GrammarCompiler(tiny.tokenizer, tiny.config.vocab_size,
+                                                sorted(tiny.eos_token_ids))
+    monkeypatch.setattr(grammar_compiler, "MAX_GRAMMARS", 2)
+    first = compiler.compile(SO(choice=["one"]))
+    compiler.compile(SO(choice=["two"]))
+    compiler.compile(SO(choice=["three"]))
+    assert len(compiler.compiled) == 2
+    assert compiler.compile(SO(choice=["one"])) is not first       # the oldest went
+    monkeypatch.setattr(grammar_compiler, "MAX_CACHE_BYTES", 0)
+    compiler.compile(SO(choice=["four"]))
+    assert len(compiler.compiled) == 0

@@ -93,6 +93,28 @@ def test_sampling_params_checked_by_type(kwargs, words):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 2}, "top_p"), ({"stop_token_ids": [1, "x"]}, "stop_token_ids"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"n": 2, "beam_width": 2}, "n"),
+    ({"logprobs": 3, "beam_width": 2}, "logprobs"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": 9, "max_tokens": 4},
+                                                        "min_tokens"),
+    ({"logit_bias": {5: 200}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"), ({"min_p": 0.5, "beam_width": 2}, "min_p"),
+    ({"min_tokens": 2, "structured_outputs": {"choice": ["a"]}}, "min_tokens"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a"]}, "beam_width": 2}, "structured_outputs"),
+])
+def test_every_refusal_names_its_field_as_data(kwargs, field):
+    """``FieldError.field``: what the server names as its error's ``param``, never read out of
+    the message ("min_tokens=2 cannot be combined..." once gave the param "min_tokens=2")."""
+    from minillm.checks import FieldError
+    with pytest.raises(FieldError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.field == field, e.value
+
+
 def test_numpy_and_tiny_values_are_normalized(tiny):
     import numpy as np
     p = SamplingParams(max_tokens=np.int64(4), top_k=np.int32(3), stop_token_ids=(np.int64(9),),

@@ -137,10 +137,11 @@ class PagedEngine(Engine):
         longest = min(req.prompt_len + p.max_tokens, self.max_model_len)
         why = self.block_manager.capacity_error(req, longest)
         if why is not None:
-            raise RequestError(f"{req.request_id}: {why}; it could never run")
+            raise RequestError(f"{req.request_id}: {why}; it could never run", field="max_tokens")
         if width > self.scheduler.max_num_batched_tokens:
             raise RequestError(f"{req.request_id}: n/beam_width {width} exceeds "
-                               f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens}")
+                               f"max_num_batched_tokens {self.scheduler.max_num_batched_tokens}",
+                               field="n")
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)

@@ -217,7 +217,7 @@ class Engine:
                                f"{self.name!r} serves the base model only)")
         if (req.params.n > 1 or req.params.beam_width > 1) and not self.supports_parallel:
             raise RequestError(f"{req.request_id}: n > 1 and beam search need the 'paged' "
-                               f"engine (this is {self.name!r})")
+                               f"engine (this is {self.name!r})", field="n")
 
     def _check_params(self, req: Request) -> None:
         """The sampling fields this engine refuses (``refuses``), and ``logit_bias`` ids outside
@@ -227,16 +227,18 @@ class Engine:
         refused = [f for f in p.fields_in_use() if f in self.refuses]
         if refused:
             raise RequestError(f"{req.request_id}: {refused[0]}={getattr(p, refused[0])!r} is "
-                               f"not supported by engine {self.name!r} (use 'paged')")
+                               f"not supported by engine {self.name!r} (use 'paged')",
+                               field=refused[0])
         vocab = self.model.config.vocab_size
         bad = [t for t, _ in p.logit_bias if t >= vocab]
         if bad:
             raise RequestError(f"{req.request_id}: logit_bias token id {bad[0]} is outside the "
-                               f"vocabulary [0, {vocab})")
+                               f"vocabulary [0, {vocab})", field="logit_bias")
         try:   # structured output: its grammar, compiled for this tokenizer (minillm/structured.py)
             bind_grammar(req, self.tokenizer, vocab, self.eos_ids)
         except ValueError as e:
-            raise RequestError(f"{req.request_id}: {e}") from None
+            raise RequestError(f"{req.request_id}: {e}",
+                               field=getattr(e, "field", "structured_outputs")) from None
 
     def add_lora(self, lora_request) -> object:
         """Read a LoRA adapter into host memory before requests use it (rung 13's engine; vLLM's

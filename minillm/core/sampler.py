@@ -15,7 +15,7 @@ import torch
 
 from ..logprobs import TokenLogprobs, token_logprobs
 from ..sampling import sample_tokens
-from ..structured import row_matcher
+from ..structured import NO_TOKEN, row_matcher
 from .sequence import Sequence
 
 # (sequence, token) or (sequence, token, its logprobs) when the request asks for them
@@ -44,7 +44,9 @@ class Sampler:
                                [s.sample_id for _, s in plain], histories,
                                self.eos_ids, matchers) if plain else []
         out: Tokens = list(zip([s for _, s in plain], tokens))
-        asking = [r for r, (_, s) in enumerate(plain) if s.request.params.logprobs is not None]
+        # a row that got no token (its grammar allows none) has no logprobs: its request fails
+        asking = [r for r, (_, s) in enumerate(plain) if s.request.params.logprobs is not None
+                  and tokens[r] != NO_TOKEN]
         if asking:
             found = token_logprobs(mine[asking], [tokens[r] for r in asking],
                                    [plain[r][1].request.params.logprobs for r in asking])

@@ -10,14 +10,14 @@ token ids that come back into text (``IncrementalDetokenizer``). If the client g
 end, the handler aborts its request, so its KV blocks go back to the pool at the next step.
 
 Nothing slow runs on the asyncio event loop, which every client shares: a body bigger than any
-prompt is refused before it is read (``guard.BodyLimit``), and tokenizing, the chat template and
-validation run on one worker thread (``prepare``), so a big prompt delays only its own answer.
+prompt is refused before it is read (``guard.BodyLimit``), tokenizing, the chat template and
+validation run on one worker thread (``prepare``), so a big prompt delays only its own answer,
+and a structured-output grammar is parsed and compiled on threads of its own, within a time
+bound (``grammar.py``), so a big grammar delays only its own answer too.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -27,39 +27,39 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..llm import LLM
 from ..request import Request, RequestError
-from .detok import IncrementalDetokenizer
+from ..structured import GrammarState
+from .answer import Answer, ClientGone, DisconnectWatch
 from .logprobs import AnswerLogprobs
 from .errors import add_error_handlers
+from .grammar import COMPILE_TIMEOUT_S, GrammarWorker
 from .guard import BodyLimit, RequireKey, default_max_body_bytes
-from .loop import EngineFailed, EngineLoop, Event, QueueFull, ShuttingDown
+from .loop import EngineFailed, EngineLoop, QueueFull, ShuttingDown
 from .metrics import ServerMetrics, scrape
 from .lora import load_adapters, model_cards, resolve_model
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, completion_body,
-                       new_id, usage)
-
-DISCONNECT_POLL_S = 0.5   # a non-streaming handler checks this often whether its client left
-
-
-class ClientGone(Exception):
-    pass
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .responses import new_id
 
 
 def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
                dashboard: bool = True, api_key: str | None = None,
                max_body_bytes: int | None = None, engine_threads: int | None = None,
-               lora_modules: dict | None = None) -> FastAPI:
+               lora_modules: dict | None = None,
+               grammar_timeout_s: float = COMPILE_TIMEOUT_S) -> FastAPI:
     """The server for ``llm`` (its engine must support abort: 'paged' or 'dynamic'). The engine
     loop starts and stops with the app (its lifespan); ``app.state.loop`` is the ``EngineLoop``.
     ``api_key``: every route but /health needs it; ``max_body_bytes``: bigger bodies get a 413
     (default: ``guard.default_max_body_bytes`` of the model's context); ``engine_threads``:
     torch threads of the engine loop (``EngineLoop``'s ``threads``); ``lora_modules``: adapters
-    by name, read now, that a request's ``model`` picks (``serve/lora.py``)."""
+    by name, read now, that a request's ``model`` picks (``serve/lora.py``);
+    ``grammar_timeout_s``: how long a request waits for its grammar to compile (``grammar.py``)
+    before a 400."""
     name = model_name or llm.model.name
     loop = EngineLoop(llm.engine, ServerMetrics(name), max_waiting, threads=engine_threads)
     # One thread for tokenizing: Hugging Face's fast tokenizers must not be called from several
     # threads at once (vLLM serializes them the same way), and one is plenty for small prompts.
     prep = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenize")
+    grammars = GrammarWorker(llm, grammar_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -71,10 +71,11 @@ def create_app(llm: LLM, model_name: str | None = None, max_waiting: int = 64,
             loop.shutdown()
             llm.engine.observers.remove(loop.metrics.observe)
             prep.shutdown(wait=False, cancel_futures=True)
+            grammars.shutdown()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.loop, app.state.llm, app.state.model_name = loop, llm, name
-    app.state.prep = prep
+    app.state.prep, app.state.grammars = prep, grammars
     app.state.adapters = load_adapters(llm, lora_modules or {}, name)
     app.state.max_body_bytes = max_body_bytes or default_max_body_bytes(llm.model.max_model_len)
     app.add_middleware(BodyLimit, max_bytes=app.state.max_body_bytes)
@@ -150,11 +151,9 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
     lora = resolve_model(body.model, app.state.model_name, app.state.adapters)
     body.check_fields()
     stops = body.stop_strings()
-    params = body.sampling_params(default_max_tokens=256 if chat else 16,
-                                  vocab_size=llm.model.config.vocab_size)
-    field = "messages" if chat else "prompt"
+    params, compiled = await app.state.grammars.params(body, 256 if chat else 16)
     req = await asyncio.get_running_loop().run_in_executor(
-        app.state.prep, prepare, llm, loop, body.prompt_input(), params, field)
+        app.state.prep, prepare, llm, loop, body, params, compiled)
     req.request_id, req.priority = new_id("chatcmpl" if chat else "cmpl"), body.priority
     req.ttft_slo_ms, req.tpot_slo_ms = body.ttft_slo_ms, body.tpot_slo_ms    # rung 12
     req.lora_request = lora                                                  # rung 13
@@ -169,6 +168,8 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
         raise APIError(str(e), 429, code="queue_full", type="rate_limit_error") from None
     answer = Answer(llm, req, stops, chat, body.model)     # the base model or an adapter
     answer.return_token_ids = body.return_token_ids
+    if req.grammar is not None:
+        answer.failure_param = body.param_of(req.grammar.field)
     answer.extras = AnswerLogprobs.asked(llm.tokenizer, req, chat, body.echo_prompt())
     answer.hide_output = not chat and body.num_output_tokens(16) == 0   # the prompt only
     if body.stream:
@@ -187,150 +188,24 @@ async def serve(app: FastAPI, body, http: HTTPRequest, chat: bool):
         loop.abort(req.request_id)
         raise
     if answer.error:
-        raise APIError(answer.error, 500)
+        raise answer.error
     return answer.body(final=True)
 
 
-def prepare(llm: LLM, loop: EngineLoop, prompt, params, field: str) -> Request:
+def prepare(llm: LLM, loop: EngineLoop, body, params, compiled) -> Request:
     """Text -> token ids (the chat template too) and the engine's checks: the per-token work,
-    run on the tokenizer thread. A request that can never run is a 400 naming ``field``."""
-    req = llm.make_requests([prompt], params)[0]
+    run on the tokenizer thread. ``compiled``: the request's grammar, compiled already
+    (``grammar.py``), or None. A request that can never run is a 400 naming the field that
+    makes it so (``RequestError.field``), else its prompt."""
+    field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    req = llm.make_requests([body.prompt_input()], params)[0]
     if req.error:
         raise APIError(req.error, param=field)
+    if compiled is not None:
+        req.grammar = GrammarState(compiled, params.structured_outputs.field)
     try:
         loop.engine.validate(req)   # reads only fixed facts (vocabulary, context, pool size)
     except RequestError as e:
-        msg = str(e).removeprefix(f"{req.request_id}: ")
-        named = msg.split("=")[0]            # a field this engine refuses: "logprobs=3 is ..."
-        param = ({"prompt_logprobs": "echo"}.get(named, named) if named in params.fields_in_use()
-                 else "max_tokens" if "max_tokens" in msg else "n" if msg.startswith("n")
-                 else field)
-        raise APIError(msg, param=param) from None
+        raise APIError(str(e).removeprefix(f"{req.request_id}: "),
+                       param=body.param_of(e.field) if e.field else field) from None
     return req
-
-
-class DisconnectWatch:
-    """A non-streaming handler learns that its client left only by asking (Starlette cancels a
-    streaming response by itself): ask at most every ``DISCONNECT_POLL_S``, tokens or not."""
-
-    def __init__(self, http: HTTPRequest):
-        self.http, self.next_check = http, time.monotonic() + DISCONNECT_POLL_S
-
-    async def next_event(self, events: asyncio.Queue) -> Event:
-        while True:
-            try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                event = None
-            if time.monotonic() >= self.next_check:
-                if await self.http.is_disconnected():
-                    raise ClientGone()
-                self.next_check = time.monotonic() + DISCONNECT_POLL_S
-            if event is not None:
-                return event
-
-
-class Answer:
-    """The client's view of one request: text per choice, built from the loop's events."""
-
-    def __init__(self, llm: LLM, req: Request, stops: list[str], chat: bool, model: str):
-        self.req, self.chat, self.model = req, chat, model
-        self.return_token_ids = False
-        self.detoks = [IncrementalDetokenizer(llm.tokenizer, stops) for _ in range(req.params.n)]
-        self.finish: list[str | None] = [None] * req.params.n
-        self.done, self.error = False, None
-        self.extras: AnswerLogprobs | None = None   # echo and logprobs, when asked
-        self.hide_output = False        # max_tokens 0: the engine's one token is not shown
-        self.streaming = False
-
-    def consume(self, event: Event) -> list[dict]:
-        """Apply one event; return the choice deltas it produced (for a streamed chunk)."""
-        deltas = []
-        if event.kind == "error":
-            self.done, self.error = True, event.error
-            return deltas
-        for i, ids in sorted(event.tokens.items()):
-            if self.finish[i] is None:
-                before = len(self.detoks[i].token_ids)
-                text = self.detoks[i].add([] if self.hide_output else ids)
-                if self.detoks[i].stopped:
-                    self.finish[i] = "stop"
-                # with return_token_ids (or logprobs) every token is sent as it comes, even while
-                # its text is held back (a possible stop string, half a character): the chunks'
-                # ids add up to the unstreamed answer's token_ids
-                added = self.detoks[i].token_ids[before:]
-                if text or self.finish[i] or (added and (self.return_token_ids or self.extras)):
-                    deltas.append(self._delta(i, text, added))
-        if event.kind == "done":
-            self.done = True
-            for i, d in enumerate(self.detoks):
-                if self.finish[i] is None:
-                    self.finish[i] = "length" if self.hide_output else self._reason(i)
-                    deltas.append(self._delta(i, d.flush(), []))
-        return deltas
-
-    def _delta(self, i: int, text: str, token_ids: list[int]) -> dict:
-        delta = {"index": i, "text": text, "finish_reason": self.finish[i]}
-        if self.return_token_ids:
-            delta["token_ids"] = token_ids
-        if self.extras is not None and self.streaming:   # a whole answer gets them at its end
-            echo, delta["logprobs"] = self.extras.take(i, token_ids)
-            delta["text"] = echo + text
-        return delta
-
-    def _reason(self, i: int) -> str:
-        """Why sample ``i`` ended, as the engine committed it (``Request.outputs``)."""
-        outputs = self.req.outputs
-        reason = (outputs[i].finish_reason if i < len(outputs) else None) or self.req.finish_reason
-        return reason.value
-
-    @property
-    def all_stopped(self) -> bool:
-        return all(f is not None for f in self.finish)
-
-    def usage(self) -> dict:
-        return usage(self.req.prompt_len, sum(len(d.token_ids) for d in self.detoks))
-
-    def body(self, final: bool, choices: list[dict] | None = None) -> dict:
-        if final:
-            choices = [{"index": i, "text": d.text, "finish_reason": self.finish[i]}
-                       for i, d in enumerate(self.detoks)]
-            if self.return_token_ids:
-                for c, d in zip(choices, self.detoks):
-                    c["token_ids"] = d.token_ids
-            for c, d in zip(choices, self.detoks) if self.extras else ():
-                echo, c["logprobs"] = self.extras.whole(c["index"], d.token_ids)
-                c["text"] = echo + c["text"]
-        return completion_body(self.req.request_id, self.model, self.chat, choices,
-                               self.usage() if final else None, chunk=not final)
-
-    async def stream(self, events: asyncio.Queue, loop: EngineLoop, include_usage: bool):
-        """Server-sent events: one chunk per step that produced text, then ``[DONE]``. Runs until
-        the request ends; if the client disconnects, Starlette cancels it and ``finally`` aborts."""
-        self.streaming = True
-        try:
-            if self.chat:   # OpenAI's first chunk names the role
-                yield sse(self.body(False, [{"index": i, "text": "", "first": True}
-                                            for i in range(len(self.detoks))]))
-            while not self.done:
-                deltas = self.consume(await events.get())
-                if self.error:
-                    yield sse(APIError(self.error, 500).body())
-                    break
-                if deltas:
-                    yield sse(self.body(False, deltas))
-                if self.all_stopped and not self.done:
-                    loop.abort(self.req.request_id)   # every choice hit a stop string
-            else:
-                if include_usage:
-                    chunk = completion_body(self.req.request_id, self.model, self.chat, [],
-                                            self.usage(), chunk=True)
-                    yield sse(chunk)
-                yield "data: [DONE]\n\n"
-        finally:
-            if not self.done:
-                loop.abort(self.req.request_id)
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"

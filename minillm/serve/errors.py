@@ -3,9 +3,10 @@
 ``{"error": {"message", "type", "param", "code"}}`` is what the ``openai`` client parses; FastAPI's
 own ``{"detail": ...}`` (bodies it cannot parse, unknown routes, wrong methods) and Starlette's
 plain-text 500 would reach the client as unreadable errors. So this module installs a handler for
-each: our ``APIError``, pydantic's validation errors, Starlette's ``HTTPException`` (404, 405, and
-FastAPI's "error parsing the body", whose cause names what was wrong) and any other exception (a
-generic 500 that names the exception type, never a traceback).
+each: our ``APIError``, pydantic's validation errors, Starlette's ``HTTPException`` (404, whose
+message lists every route the app serves; 405; and FastAPI's "error parsing the body", whose
+cause names what was wrong) and any other exception (a generic 500 that names the exception
+type, never a traceback).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -44,7 +46,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(http, e: HTTPException):
-        return error_response(from_http_exception(e, http.method, http.url.path),
+        return error_response(from_http_exception(e, http.method, http.url.path,
+                                                  served_routes(http.app)),
                               headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
@@ -72,12 +75,24 @@ def validation_error(e: RequestValidationError) -> APIError:
     return APIError(f"{param}: {err['msg']}{got}", param=param)
 
 
-def from_http_exception(e: HTTPException, method: str, path: str) -> APIError:
-    """Starlette's and FastAPI's HTTP errors, said in OpenAI's shape."""
+def served_routes(app) -> list[str]:
+    """Every route ``app`` serves, as "METHOD /path": its API first, then FastAPI's own pages
+    (/docs, /openapi.json...)."""
+    routes = sorted(app.routes, key=lambda r: not isinstance(r, APIRoute))
+    out = []
+    for r in routes:
+        methods = sorted(set(getattr(r, "methods", None) or ()) - {"HEAD"})
+        out.append(f"{'/'.join(methods)} {r.path}".strip())
+    return out
+
+
+def from_http_exception(e: HTTPException, method: str, path: str,
+                        routes: list[str] = ()) -> APIError:
+    """Starlette's and FastAPI's HTTP errors, said in OpenAI's shape (``routes``: what a 404
+    lists, ``served_routes``)."""
     if e.status_code == 404:
-        return APIError(f"no such route: {method} {path} (see /v1/models, /v1/completions, "
-                        "/v1/chat/completions, /health, /metrics, /dashboard)", 404,
-                        code="not_found")
+        return APIError(f"no such route: {method} {path} (this server serves "
+                        f"{', '.join(routes)})", 404, code="not_found")
     if e.status_code == 405:
         allowed = (getattr(e, "headers", None) or {}).get("Allow", "")
         return APIError(f"method {method} is not allowed on {path}"

@@ -9,9 +9,13 @@
 
 A token's text is its own decoding (vLLM does the same), so ``text_offset`` is the running sum of
 those lengths; a token that is half a UTF-8 character shows as U+FFFD there, as in vLLM.
-JSON has no -inf: a logprob below ``FLOOR`` is sent as ``FLOOR`` (vLLM's -9999.0).
+JSON has no -inf, NaN or inf (Python's encoder refuses them: a 500): a logprob below ``FLOOR``
+is sent as ``FLOOR`` (vLLM's -9999.0), and so is NaN, which only a row with no allowed token
+gives (the sampler never draws from one); +inf, which no softmax gives, as 0.0.
 """
 from __future__ import annotations
+
+import math
 
 FLOOR = -9999.0
 
@@ -19,7 +23,10 @@ TokenLogprobs = dict[int, float]
 
 
 def clamp(x: float) -> float:
-    return max(x, FLOOR)
+    """``x`` as a finite logprob JSON can carry."""
+    if math.isnan(x) or x < FLOOR:
+        return FLOOR
+    return min(x, 0.0) if math.isinf(x) else x
 
 
 class TokenText:

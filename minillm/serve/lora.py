@@ -3,8 +3,8 @@
 ``python -m minillm serve --enable-lora --lora-modules sql=./sql-lora chat=./chat-lora``: every
 adapter is read when the server starts (a bad one stops it with the reason, before it listens);
 a request's ``model`` field picks the base model or an adapter, and ``/v1/models`` lists them all
-(an adapter's card names its ``parent``, the base model). An unknown name is a 400 naming it
-(``model_not_found``), as before rung 13.
+(an adapter's card names its ``parent``, the base model). An unknown name is a 404 naming it,
+with code ``model_not_found`` (OpenAI's and vLLM's answer).
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ def load_adapters(llm, modules: dict, served: str | None = None) -> dict:
 
 
 def resolve_model(name: str, served: str, adapters: dict):
-    """The adapter a request's ``model`` names (None: the base model); unknown: a 400."""
+    """The adapter a request's ``model`` names (None: the base model); unknown: a 404."""
     if name == served:
         return None
     if name in adapters:
         return adapters[name]
     known = ", ".join(repr(n) for n in (served, *adapters))
-    raise APIError(f"model {name!r} does not exist: this server serves {known}",
+    raise APIError(f"model {name!r} does not exist: this server serves {known}", 404,
                    param="model", code="model_not_found")
 
 

@@ -1,4 +1,7 @@
-"""What goes over the wire: OpenAI's request and response shapes, and its error body.
+"""What comes over the wire: OpenAI's request shapes, and its error body (the response shapes are
+in ``responses.py``). An error's ``param`` is always a field of the request (or a dotted path in
+one): a refusal from ``SamplingParams`` names its field as data (``checks.FieldError``), which
+``param_of`` maps to the field the client used.
 
 Each endpoint has one explicit list of the fields it accepts, and every other field is a 400 that
 names it: a client that asks for something minillm does not do (``tools``, ``suffix``...)
@@ -16,14 +19,12 @@ its request. The lists:
 """
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
-from pydantic import confloat
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
+from pydantic import StrictStr
 
-from ..checks import FIELD_RANGES
+from ..checks import FIELD_RANGES, FieldError
 from ..core.policy import MAX_SLO_MS
 from ..request import SamplingParams
 from ..sampling_params import MAX_LOGPROBS
@@ -48,7 +49,12 @@ MAX_STOP_TOKEN_IDS = 256
 
 
 # Strict types where JSON's lax coercions would hide a client bug: "3" is not a max_tokens, true is
-# not a token id, "yes" is not a stream flag.
+# not a token id, "yes" is not a stream flag, "1" and true are not a temperature. A number field
+# takes what OpenAI's schema calls a number: a JSON integer or float, finite (NaN and Infinity,
+# which Python's JSON parser reads, are refused); an integer field a JSON integer only.
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -103,8 +109,8 @@ class _Common(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=FIELD_RANGES["max_tokens"][1])
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1,
                                                     le=FIELD_RANGES["max_tokens"][1])
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: Number = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0, le=FIELD_RANGES["top_k"][1])  # vLLM's (0 = off)
     n: StrictInt = Field(default=1, ge=1, le=16)
     seed: StrictInt | None = Field(default=None, ge=FIELD_RANGES["seed"][0],
@@ -120,11 +126,11 @@ class _Common(BaseModel):
     priority: StrictInt = Field(default=0, ge=FIELD_RANGES["priority"][0],
                                 le=FIELD_RANGES["priority"][1])
     # the sampler's controls (SamplingParams says what each does); null is "off"
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[StrictStr, float] | None = None      # OpenAI's keys: token ids as text
-    repetition_penalty: float | None = Field(default=None, gt=0.0)   # vLLM's extras
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, Number] | None = None      # OpenAI's keys: token ids as text
+    repetition_penalty: Number | None = Field(default=None, gt=0.0)   # vLLM's extras
+    min_p: Number | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: StrictInt | None = Field(default=None, ge=0, le=FIELD_RANGES["max_tokens"][1])
     # structured output (minillm/structured.py): OpenAI's response_format, vLLM's
     # structured_outputs ({"json" | "regex" | "choice" | "json_object", "disable_any_whitespace"})
@@ -132,8 +138,8 @@ class _Common(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     # rung 12: this request's objectives in ms (policy slo orders by their deadlines; None: its
     # priority's class in --slo-classes, else --slo-ttft-ms / --slo-tpot-ms); in (0, MAX_SLO_MS]
-    ttft_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
-    tpot_slo_ms: confloat(strict=True, gt=0, le=MAX_SLO_MS, allow_inf_nan=False) | None = None
+    ttft_slo_ms: Number | None = Field(default=None, gt=0, le=MAX_SLO_MS)
+    tpot_slo_ms: Number | None = Field(default=None, gt=0, le=MAX_SLO_MS)
 
     def check_fields(self) -> None:
         """A 400 naming the first field that is neither honoured, nor metadata, nor neutral."""
@@ -186,9 +192,16 @@ class _Common(BaseModel):
             out[token] = value
         return out
 
+    @property
+    def wants_grammar(self) -> bool:
+        """Whether this body asks for structured output (a grammar to parse and compile)."""
+        fmt = self.response_format
+        return bool(self.structured_outputs) or (fmt is not None and fmt.type != "text")
+
     def structured(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` with ``response_format`` filled in (vLLM merges them the same
-        way); a schema xgrammar refuses is a 400 naming the field the client used."""
+        way); a schema xgrammar refuses is a 400 naming the field the client used. Parses the
+        grammar: the server calls it off the event loop (``serve/grammar.py``)."""
         fields = dict(self.structured_outputs or {})
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -200,9 +213,25 @@ class _Common(BaseModel):
             fields["json"] = fmt.json_schema.schema_
         try:
             return StructuredOutputsParams.coerce(fields) if fields else None
-        except (ValueError, TypeError) as e:
-            raise APIError(str(e), param="response_format" if fmt is not None and
-                           fmt.type != "text" else "structured_outputs") from None
+        except FieldError as e:
+            raise APIError(str(e), param=self.param_of(e.field)) from None
+        except (ValueError, TypeError) as e:    # what a check did not foresee: still a 400
+            raise APIError(f"structured_outputs: {e}", param=self.param_of("structured_outputs")) \
+                from None
+
+    def param_of(self, field: str) -> str:
+        """The field of this body that a ``SamplingParams`` field (a ``FieldError``'s or a
+        ``RequestError``'s ``field``) came from: what an error's ``param`` names."""
+        root = field.partition(".")[0]
+        if root == "structured_outputs":
+            fmt = self.response_format
+            kind = field.partition(".")[2]
+            if fmt is not None and fmt.type != "text" and kind in ("", "json", "json_object"):
+                return "response_format"          # the client gave the grammar there
+            return field
+        if root == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return {"beam_width": "n"}.get(root, root)   # the server never asks for beams
 
     def sampling_params(self, default_max_tokens: int, vocab_size: int) -> SamplingParams:
         """The engine's ``SamplingParams``; a value it refuses becomes a 400 naming the field.
@@ -227,8 +256,8 @@ class _Common(BaseModel):
                 repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0,
                 min_tokens=self.min_tokens or 0, logit_bias=self.bias(vocab_size),
                 structured_outputs=self.structured(), **self.logprob_params())
-        except ValueError as e:   # SamplingParams' messages start with the field's name
-            raise APIError(str(e), param=str(e).split(" ")[0]) from None
+        except FieldError as e:
+            raise APIError(str(e), param=self.param_of(e.field)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -258,6 +287,9 @@ class CompletionRequest(_Common):
     def logprob_params(self) -> dict:
         prompt = self.logprobs if self.echo else None   # echoed tokens get theirs too
         return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
+
+    def param_of(self, field: str) -> str:
+        return "echo" if field == "prompt_logprobs" else super().param_of(field)
 
     def echo_prompt(self):
         return self.prompt_input() if self.echo else None
@@ -295,6 +327,11 @@ class ChatCompletionRequest(_Common):
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
+    def param_of(self, field: str) -> str:
+        if field in ("logprobs", "prompt_logprobs"):
+            return "top_logprobs" if self.top_logprobs is not None else "logprobs"
+        return super().param_of(field)
+
     def prompt_input(self):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
@@ -306,40 +343,3 @@ def same_json(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return a == b
     return type(a) is type(b) and a == b
-
-
-# --- responses ------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_body(rid: str, model: str, chat: bool, choices: list[dict],
-                    use: dict | None, chunk: bool) -> dict:
-    """A (chunk of a) completion: ``choices`` are ``{"index", "text", "finish_reason"}``."""
-    kind = "chat.completion" if chat else "text_completion"
-    out = []
-    for c in choices:
-        item = {"index": c["index"], "finish_reason": c.get("finish_reason"),
-                "logprobs": c.get("logprobs")}
-        if "token_ids" in c:
-            item["token_ids"] = c["token_ids"]
-        if not chat:
-            item["text"] = c["text"]
-        elif chunk:
-            last_empty = not c["text"] and c.get("finish_reason")   # OpenAI sends delta {}
-            item["delta"] = {} if last_empty else {"content": c["text"]}
-            if c.get("first"):
-                item["delta"]["role"] = "assistant"
-        else:
-            item["message"] = {"role": "assistant", "content": c["text"]}
-        out.append(item)
-    body = {"id": rid, "object": kind + (".chunk" if chat and chunk else ""),
-            "created": int(time.time()), "model": model, "choices": out}
-    if use is not None or not chunk:
-        body["usage"] = use
-    return body

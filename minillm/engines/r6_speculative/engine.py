@@ -24,7 +24,7 @@ from ...core.engine import PagedEngine
 from ...core.sequence import Sequence
 from ...request import Request, SpecStats, stop_reason
 from ...sampling_params import CONTROL_FIELDS, LOGPROB_FIELDS
-from ...structured import mask_guessed_rows, row_matcher
+from ...structured import NO_TOKEN, mask_guessed_rows, row_matcher
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, NgramProposer, Proposer
 from .rejection import accept
@@ -99,10 +99,12 @@ class SpeculativeEngine(PagedEngine):
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         guesses, n_before = seq.spec_token_ids, seq.num_tokens
         matcher = row_matcher(seq.request, seq.sample_id)
-        if matcher is not None:       # structured output: each row masked as plain decoding would
-            mask_guessed_rows(logits, matcher, guesses)
-        kept = accept(guesses, self.proposer.proposal_probs(seq), logits, seq.request.params,
-                      n_before - seq.prompt_len, seq.sample_id)
+        # structured output: each row masked as plain decoding would; a grammar that allows no
+        # token here gets no draw (NO_TOKEN fails its request at the commit)
+        dead = matcher is not None and mask_guessed_rows(logits, matcher, guesses)
+        kept = [NO_TOKEN] if dead else accept(guesses, self.proposer.proposal_probs(seq), logits,
+                                              seq.request.params, n_before - seq.prompt_len,
+                                              seq.sample_id)
         kept = self._until_stop(seq, kept, n_before)
         accepted = next((i for i, (a, b) in enumerate(zip(kept, guesses)) if a != b),
                         min(len(kept), len(guesses)))
