@@ -57,8 +57,7 @@ class Scheduler(StepCommit):
     """Owns the requests in flight (``groups``) and the KV allocator (the ``BlockManager``, or
     any other ``minillm.core.allocator.KVAllocator``): ``schedule`` decides a step, ``postprocess``
     (``core/commit.py``) commits it (tokens appended, samples forked, finished ones freed). Its
-    limits are a
-    ``minillm.core.config.SchedulerConfig``'s, checked there."""
+    limits are a ``minillm.core.config.SchedulerConfig``'s, checked there."""
 
     def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,
                  max_num_seqs: int = 64, policy: SchedulingPolicy | str = "fcfs",
@@ -133,7 +132,7 @@ class Scheduler(StepCommit):
         (rung 7: the requests in flight in the pipeline). ``max_new``: admit at most this many
         waiting groups (rung 7 shares new requests between micro-batches). ``admit(group)``:
         whether a waiting group may start now besides memory (rung 13: its adapter got a slot);
-        one it refuses stays at the head of the queue, as one without blocks does."""
+        one it refuses is passed over, and the rule answers for not starving it."""
         out = SchedulerOutput([], [], [])
         budget = self.step_budget()
         self.num_steps += 1
@@ -201,15 +200,16 @@ class Scheduler(StepCommit):
         """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last
         (and at most ``max_new`` of them, if given); return the budget left. A group that finds
         no seat, or none of whose tokens fit (``_plan``), may evict a running group the policy
-        ranks below it (``_preempt_for``, never one in ``exclude``) and try again; otherwise it
-        stays at the head of the queue: nobody overtakes it."""
-        admitted = 0
-        while self.waiting and budget > 0 and (max_new is None or admitted < max_new):
-            group = self.waiting[0]
+        ranks below it (``_preempt_for``, never one in ``exclude``) and try again; otherwise
+        nobody overtakes it. One that ``admit`` refuses is skipped (as in vLLM)."""
+        admitted, at = 0, 0
+        while at < len(self.waiting) and budget > 0 and (max_new is None or admitted < max_new):
+            group = self.waiting[at]
             if group in out.preempted:          # not re-admitted in the step it was preempted
                 break
             if admit is not None and not admit(group):
-                break
+                at += 1
+                continue
             seated = len(self.running) < min(self.max_num_seqs, self.step_budget())
             planned = self._plan(group, budget, out) if seated else []
             if not planned:
@@ -217,7 +217,7 @@ class Scheduler(StepCommit):
                     break
                 budget = self.step_budget() - out.num_tokens
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(at)
             self.running.append(group)
             admitted += 1
             out.scheduled += planned

@@ -63,7 +63,8 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "block, preempt the lowest-ranked running request not in exclude "
              "(self._lowest_ranked(exclude)): free all its blocks and put it back at the front "
              "of the queue. A waiting group with no seat, or whose plan (self._plan) is empty, "
-             "may evict a running one if the policy lets it (self._preempt_for): then try again."),
+             "may evict a running one if the policy lets it (self._preempt_for): then try again. "
+             "One that admit(group) refuses is passed over, not waited for."),
     Exercise("04", "Paged attention: write K/V into slots, read them back through block tables",
              "minillm.core.attention.reference",
              ("TorchAttention.write_kv", "TorchAttention.gather", "TorchAttention.decode"),

@@ -5,7 +5,7 @@ the device (LRU swapping from host memory), ``kernels.py`` computes each row's d
 sgmv and bgmv in torch), ``layers.py`` wraps the core's linear layers, ``engine.py`` is rung 3's
 engine through its seams (``make_runner``, ``schedule_step``, ``prefix_seed``).
 """
-from .adapter import LoRAAdapter, LoRARequest, load_adapter
+from .adapter import AdapterError, LoRAAdapter, LoRARequest, load_adapter
 from .config import LoRAConfig
 
-__all__ = ["LoRAAdapter", "LoRAConfig", "LoRARequest", "load_adapter"]
+__all__ = ["AdapterError", "LoRAAdapter", "LoRAConfig", "LoRARequest", "load_adapter"]

@@ -22,6 +22,9 @@ class LoRAConfig:
                                "swapped in from host memory")
     max_lora_rank: int = option(16, "lora: the largest adapter rank accepted (every slot is padded "
                                     "to it)")
+    max_lora_skips: int = option(32, "lora: steps a request waiting for an adapter slot may be "
+                                     "skipped by adapter requests behind it; then they wait until "
+                                     "it has one (base-model requests never wait for it)")
     lora_kernel: str = option("sgmv", "lora: how each row's low-rank delta is computed: sgmv (the "
                                       "rows of each adapter together, one matmul pair per adapter "
                                       "present), bgmv (each row gathers its slot's A and B, one "
@@ -34,6 +37,7 @@ class LoRAConfig:
             raise ValueError("enable_lora must be True for the multi-LoRA engine, got False")
         set_checked(self, "max_loras")
         set_checked(self, "max_lora_rank")
+        set_checked(self, "max_lora_skips", minimum=0)
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank!r}")
         if self.lora_kernel not in LORA_KERNELS:

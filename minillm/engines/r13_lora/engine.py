@@ -7,7 +7,10 @@ Rung 3's engine through its seams; nothing of the step is written twice:
   adapter's slot) and whose ``prepare`` tells the layers which slot each row of the step uses;
 * ``schedule_step`` passes the scheduler an ``admit`` rule: a waiting request starts only once its
   adapter has a slot (``LoRASlots.acquire``: resident, free, or the least recently used one no
-  running request needs); otherwise it waits at the head of the queue, never fails;
+  running request needs); otherwise it waits, never fails, and the requests behind it may start.
+  So that those cannot keep the slots busy forever, the oldest request waiting for a slot is
+  skipped at most ``max_lora_skips`` steps: then no adapter request behind it starts until it has
+  a slot (base-model requests hold no slot and still start);
 * ``prefix_seed`` starts a request's block hashes from its adapter, so the prefix cache never hands
   one adapter's K/V to another (the same prompt has different K/V under each).
 
@@ -69,6 +72,9 @@ class LoRAEngine(PagedEngine):
         super().__init__(model, **options)
         # adapters read so far (host memory), by name: (its request, its weights)
         self.adapters: dict[str, tuple[LoRARequest, LoRAAdapter]] = {}
+        # the oldest request refused a slot: in how many steps, and the latest of them
+        self.starving: SequenceGroup | None = None
+        self.skips = self.refused_at = 0
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> LoRARunner:
         return LoRARunner(self.model, num_blocks, block_size, backend, self.lora_config,
@@ -109,12 +115,38 @@ class LoRAEngine(PagedEngine):
         return self.scheduler.schedule(admit=self.admit)
 
     def admit(self, group: SequenceGroup) -> bool:
-        """A waiting request may start once its adapter has a slot (the base model always has)."""
+        """A waiting request may start once its adapter has a slot (the base model always has),
+        unless it is behind ``starving``, the oldest request refused a slot, and that one has
+        been skipped in ``max_lora_skips`` steps already. The scheduler asks in rank order, once a
+        step each: ``starving`` was refused earlier in this step exactly when ``group`` is
+        behind it."""
         name = adapter_name(group.request)
         if name is None:
             return True
+        if self._held_back(group):
+            return False
         busy = {adapter_name(g.request) for g in self.scheduler.running}
-        return self.runner.slots.acquire(self.adapters[name][1], busy) is not None
+        if self.runner.slots.acquire(self.adapters[name][1], busy) is not None:
+            if group is self.starving:
+                self.starving = None
+            return True
+        if not self._waiting(self.starving):
+            self.starving, self.skips = group, 0
+        if group is self.starving:
+            self.skips, self.refused_at = self.skips + 1, self.scheduler.num_steps
+        return False
+
+    def _held_back(self, group: SequenceGroup) -> bool:
+        """``group`` is behind ``starving`` (refused earlier in this step), which was refused in
+        more than ``max_lora_skips`` steps: it has been skipped enough."""
+        return (self._waiting(self.starving) and group is not self.starving
+                and self.skips > self.lora_config.max_lora_skips
+                and self.refused_at == self.scheduler.num_steps)
+
+    def _waiting(self, group: SequenceGroup | None) -> bool:
+        """``group`` (the starving request, forgotten once admitted) still waits: an aborted one
+        has left the scheduler."""
+        return group is not None and self.scheduler.groups.get(group.request.request_id) is group
 
     def prefix_seed(self, request: Request):
         name = adapter_name(request)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter import CONFIG_FILE, TARGETS, WEIGHTS_FILE, LoRAAdapter, LoRARequest, load_adapter
-
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+from .adapter import (ATTENTION, CONFIG_FILE, TARGETS, WEIGHTS_FILE, LoRAAdapter, LoRARequest,
+                      load_adapter)
 
 
 def module_key(layer: int, module: str) -> str:
