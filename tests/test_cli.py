@@ -117,7 +117,8 @@ def test_generate_bom_bad_utf8_deep_nesting_and_bad_messages(tmp_path, capsys):
     assert errors[2].startswith("line 2: not valid UTF-8")
     assert errors[3] == "line 3: invalid JSON (nested too deeply)"
     assert errors[4].startswith("line 4: messages[0] must be a dict with string 'role'")
-    assert capsys.readouterr().err.startswith("2/5 ok")
+    # (the last line: a CPU without native bf16 says first that --dtype auto chose float32)
+    assert capsys.readouterr().err.splitlines()[-1].startswith("2/5 ok")
 
 
 def test_generate_missing_prompts_fails_before_loading(tmp_path, capsys, monkeypatch):
@@ -469,3 +470,43 @@ def test_generate_pipeline_worker_killed_mid_run(tmp_path):
             break
         time.sleep(0.1)
     assert all(gone(p) for p in left), "a child process was left behind"
+
+
+# --- serve says which dtype it computes in; a TPOT target no step meets is refused ------------
+@pytest.mark.parametrize("flags,native,dtype,line", [
+    ([], True, "bfloat16", "[minillm] dtype: auto -> bfloat16 (this CPU computes bf16 natively)"),
+    ([], False, "float32", "[minillm] dtype: auto -> float32 (this CPU has no native bf16 "
+                           "(AMX-BF16 or AVX512-BF16); emulated bf16 is slower than float32)"),
+    (["--dtype", "float16"], False, "float16", "[minillm] dtype: float16 (--dtype)"),
+])
+def test_serve_says_which_dtype_it_chose_in_one_line(monkeypatch, capsys, flags, native, dtype,
+                                                     line):
+    """One start-up line, before the model loads; the model is loaded in that dtype (so the
+    resolver has nothing left to say)."""
+    import torch
+
+    from minillm import models
+    from minillm.__main__ import main
+    from minillm.llm import LLM
+
+    asked = []
+
+    def load(self, model, engine="paged", dtype=None, **options):
+        asked.append(dtype)
+        raise ValueError("stopped before loading")
+    monkeypatch.setattr(models, "default_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(models, "native_bf16", lambda device_type="cpu": native)
+    monkeypatch.setattr(LLM, "__init__", load)
+    assert main(["serve", "--model", "tiny-llama", "--port", "0", *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [line, "error: stopped before loading"]
+    assert asked == [dtype]
+
+
+def test_generate_refuses_a_tpot_target_below_any_step(tmp_path, capsys):
+    """1e-300 ms would hold the controller's batch at one token forever, silently."""
+    data = json.dumps({"prompt": "hello"}).encode()
+    code, dst = generate(tmp_path, data, "--batch-controller", "tpot",
+                         "--tpot-target-ms", "1e-300")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not dst.exists()
+    assert err[-1] == "error: tpot_target_ms must be >= 0.1 ms (no step is faster), got 1e-300"

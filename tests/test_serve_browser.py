@@ -1,7 +1,8 @@
 """The serving dashboard in a real browser: headless Chromium (Debian's, driven by Selenium) opens
 ``/dashboard`` while streaming clients load the server, and must show it live: the running batch
-(one row per request, growing token by token), the waiting queue, the step counter moving, the KV
-pool filling; and, once the clients hang up, everything back to empty.
+(one row per request, growing token by token), the waiting queue (as many chips as the header's
+count), the step counter moving, the KV pool filling, no line for the batch controller or KV
+transfers (both off); and, once the clients hang up, everything back to empty.
 
 The load is under the test's control (long requests that the clients close when the test is done
 looking), so nothing here depends on how fast the machine is. With ``--api-key`` the page, opened
@@ -30,8 +31,9 @@ const n = (id) => Number(document.getElementById(id).textContent);
 return {status: document.getElementById('status').textContent, step: n('step'),
         rows: [...document.querySelectorAll('#running tr.req')].map(
             (tr) => Number(tr.children[3].textContent)),   // class, request, prompt, out
-        waiting: document.querySelectorAll('#waiting .chip').length,
-        kv: document.getElementById('kvtitle').textContent, finished: n('nfin')};
+        waiting: document.querySelectorAll('#waiting .chip').length, nwait: n('nwait'),
+        kv: document.getElementById('kvtitle').textContent, finished: n('nfin'),
+        off: ['ctl', 'moved'].map((id) => getComputedStyle(document.getElementById(id)).display)};
 """
 
 
@@ -56,6 +58,7 @@ def test_dashboard_updates_live(tiny, browser, tmp_path):  # noqa: F811
         state = lambda: browser.execute_script(DOM_STATE)  # noqa: E731
         wait_until(lambda: state()["status"] == "live", 30, "the page to connect")
         assert state()["rows"] == [] and " 0 token slots" in state()["kv"]
+        assert state()["off"] == ["none", "none"]     # no controller, no transfers: no lines
 
         stop, seen = threading.Event(), []
         clients = [threading.Thread(target=stream_until, args=(url, f"client {i}", stop, seen))
@@ -63,8 +66,8 @@ def test_dashboard_updates_live(tiny, browser, tmp_path):  # noqa: F811
         for t in clients:
             t.start()
         try:
-            wait_until(lambda: len(state()["rows"]) == MAX_NUM_SEQS
-                       and state()["waiting"] == CLIENTS - MAX_NUM_SEQS, 30,
+            wait_until(lambda: len((s := state())["rows"]) == MAX_NUM_SEQS
+                       and s["waiting"] == s["nwait"] == CLIENTS - MAX_NUM_SEQS, 30,
                        "a full running batch and the rest waiting")
             first = state()
             wait_until(lambda: state()["step"] > first["step"]

@@ -23,6 +23,11 @@ from .batch_controller import CONTROLLERS, OVERLOAD
 from .policy import MAX_SCORE_WEIGHT, MAX_SLO_MS, POLICIES, check_slo_ms, parse_slo_classes
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# The smallest tpot_target_ms: no engine step takes less than 0.1 ms on any device (the
+# scheduler's Python, a forward's kernel launches and sampling each take tens of microseconds or
+# more), so a smaller target could never be met and the controller would hold the batch at one
+# token forever.
+MIN_TPOT_TARGET_MS = 0.1
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
 LINEAR_BACKENDS = ("torch", "onednn")
 LAYER_OPS = ("fused", "eager")
@@ -99,8 +104,8 @@ class SchedulerConfig:
     score_remaining_weight: float = option(
         0.1, "paged, policy=score: weight of each token still to generate")
     score_priority_weight: float = option(
-        1000.0, "paged, policy=score: weight of each unit of request priority (in steps of "
-              "waiting)")
+        20.0, "paged, policy=score: weight of each unit of request priority (in steps of "
+              "waiting; the starvation bound grows with it, core/policy.py)")
     score_margin: float = option(
         10.0, "paged, policy=score: a waiting request evicts a running one only if its score is "
               "lower by more than this")
@@ -145,6 +150,9 @@ class SchedulerConfig:
             object.__setattr__(self, name, value)
         for name in ("slo_ttft_ms", "slo_tpot_ms", "tpot_target_ms"):
             object.__setattr__(self, name, check_slo_ms(name, getattr(self, name)))
+        if self.tpot_target_ms < MIN_TPOT_TARGET_MS:
+            raise ValueError(f"tpot_target_ms must be >= {MIN_TPOT_TARGET_MS:g} ms (no step is "
+                             f"faster), got {self.tpot_target_ms!r}")
         parse_slo_classes(self.slo_classes)          # a ValueError naming the bad item
         margin = check_float("slo_margin_ms", self.slo_margin_ms)
         if not 0 <= margin <= MAX_SLO_MS:

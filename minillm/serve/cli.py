@@ -2,11 +2,14 @@
 
 Every flag is checked, and the listening socket bound, before the model loads: a bad port, a
 host this machine does not have or a port already taken is one ``error:`` line and exit status 2
-at once, not a traceback after the load.
+at once, not a traceback after the load. The server answers only to its own host names
+(``--allowed-hosts``), closes connections that do not send a request head in time
+(``--header-timeout-s``) and serves at most ``--max-connections`` at once (``guard.py``).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -19,8 +22,16 @@ An OpenAI-compatible server: POST /v1/completions and /v1/chat/completions (stre
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
 or the openai client (base_url="http://127.0.0.1:8000/v1", api_key: --api-key's, or any).
 With --api-key (or MINILLM_API_KEY) every route but /health needs "Authorization: Bearer KEY";
-open the dashboard as /dashboard?key=KEY."""
+open the dashboard as /dashboard?key=KEY.
+Only requests whose Host header names this server are answered (127.0.0.1, localhost, [::1] and
+--host; any name with --host 0.0.0.0): another site's page that points its own name at 127.0.0.1
+(DNS rebinding) gets 421. A proxy or tunnel that forwards its own name needs --allowed-hosts."""
 KEY_ENV = "MINILLM_API_KEY"
+HEADER_TIMEOUT_S = 10.0
+# Far more than the engine serves at once (max_num_seqs running and --max-waiting waiting, each a
+# connection, plus dashboards and scrapes), and below the usual 1,024 open files of a process.
+MAX_CONNECTIONS = 512
+MAX_TIMEOUT_S = 3600.0
 
 
 def servable_engines() -> tuple[str, ...]:
@@ -44,6 +55,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health "
                         f"(default: ${KEY_ENV} if set, else no key)")
     p.add_argument("--no-dashboard", action="store_true", help="do not serve /dashboard")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOST,...",
+                   help="more host names the Host header may name (a proxy's, a tunnel's; '*': "
+                        "any); always allowed: 127.0.0.1, localhost, [::1] and --host (any name "
+                        "when --host is 0.0.0.0 or ::); other names get HTTP 421")
+    p.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+                   help="close a connection that has not sent a whole request head (request "
+                        f"line and headers) this many seconds after it began (default "
+                        f"{HEADER_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="connections served at once; a request on one more gets HTTP 503 "
+                        f"(default {MAX_CONNECTIONS})")
+    p.add_argument("--grammar-timeout-s", type=float, default=None,
+                   help="how long a request waits for its grammar (structured output) to compile "
+                        "before it gets a 400; compiled grammars are cached (default 20, "
+                        "serve/grammar.py says why)")
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
                    help="LoRA adapters (PEFT's format) a request's model field may name; needs "
                         "--enable-lora (rung 13)")
@@ -61,7 +87,45 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--threads must be >= 1, got {args.threads}"
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key must not be empty"
+    if not (math.isfinite(args.header_timeout_s) and 0 < args.header_timeout_s
+            <= MAX_TIMEOUT_S):
+        return (f"--header-timeout-s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
+                f"{args.header_timeout_s!r}")
+    grammar_s = args.grammar_timeout_s
+    if grammar_s is not None and not (math.isfinite(grammar_s) and 0 < grammar_s
+                                      <= MAX_TIMEOUT_S):
+        return (f"--grammar-timeout-s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
+                f"{grammar_s!r}")
+    if args.max_connections < 1:
+        return f"--max-connections must be >= 1, got {args.max_connections}"
+    from ..core.config import MIN_TPOT_TARGET_MS
+    target = getattr(args, "tpot_target_ms", None)
+    if target is not None and not target >= MIN_TPOT_TARGET_MS:    # NaN too
+        return (f"--tpot-target-ms must be >= {MIN_TPOT_TARGET_MS:g} ms (no engine step is "
+                f"faster: the batch would be held at one token), got {target!r}")
+    from .guard import allowed_hosts
+    try:
+        allowed_hosts(args.host, args.allowed_hosts)
+    except ValueError as e:
+        return str(e)
     return None
+
+
+def dtype_choice(requested: str) -> tuple[str, str]:
+    """The dtype serve loads the model in (``--dtype``; ``auto`` resolved as
+    ``models.resolve_dtype`` resolves it) and the one start-up line that says it, and for
+    ``auto`` why."""
+    from ..models import default_device, native_bf16
+
+    if requested != "auto":
+        return requested, f"[minillm] dtype: {requested} (--dtype)"
+    device = default_device().type
+    kind = "GPU" if device == "cuda" else device.upper()
+    if native_bf16(device):
+        return "bfloat16", f"[minillm] dtype: auto -> bfloat16 (this {kind} computes bf16 natively)"
+    why = " (AMX-BF16 or AVX512-BF16)" if device == "cpu" else ""
+    return "float32", (f"[minillm] dtype: auto -> float32 (this {kind} has no native bf16{why}; "
+                       "emulated bf16 is slower than float32)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -94,7 +158,6 @@ def main(args: argparse.Namespace, engine_options: dict) -> int:
 
 def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> int:
     import torch
-    import uvicorn
 
     from ..llm import LLM
     from .app import StoppingServer, create_app
@@ -108,8 +171,10 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     # makes a team) and the loop thread computes on all of them.
     threads = args.threads or max(1, min(torch.get_num_threads(), 8))
     torch.set_num_threads(1)
+    dtype, line = dtype_choice(args.dtype)
+    print(line, file=sys.stderr)
     try:
-        llm = LLM(args.model, engine=args.engine, dtype=args.dtype, **engine_options)
+        llm = LLM(args.model, engine=args.engine, dtype=dtype, **engine_options)
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -119,7 +184,9 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     try:
         app = create_app(llm, max_waiting=args.max_waiting, dashboard=not args.no_dashboard,
                          api_key=key, max_body_bytes=args.max_body_bytes, engine_threads=threads,
-                         lora_modules=parse_lora_modules(args.lora_modules))
+                         lora_modules=parse_lora_modules(args.lora_modules),
+                         **({} if args.grammar_timeout_s is None
+                            else {"grammar_timeout_s": args.grammar_timeout_s}))
     except ValueError as e:          # a bad --lora-modules item or adapter
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -129,7 +196,21 @@ def run(args: argparse.Namespace, engine_options: dict, sock: socket.socket) -> 
     print(f"[minillm] serving {llm.model.name} ({llm.engine.name} engine) on {base}"
           f"{board if not args.no_dashboard else ''}"
           f"{' (API key required)' if key else ''}", file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level="info",
-                            timeout_graceful_shutdown=3)
-    StoppingServer(config).run(sockets=[sock])
+    StoppingServer(server_config(app, args, port)).run(sockets=[sock])
     return 0
+
+
+def server_config(app, args: argparse.Namespace, port: int, log_level: str = "info"):
+    """uvicorn's config for ``app`` as serve's flags ask (checked by ``check_args``): the Host
+    check (``guard.AllowedHosts``, outermost: a misdirected request is answered before the key is
+    looked at), the request-head timeout and the connection cap (``guard.connection_limits``)."""
+    import uvicorn
+
+    from .guard import AllowedHosts, allowed_hosts, connection_limits
+
+    hosts = allowed_hosts(args.host, args.allowed_hosts)
+    if hosts is not None:
+        app.add_middleware(AllowedHosts, hosts=hosts)
+    return uvicorn.Config(app, host=args.host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=3,
+                          **connection_limits(args.header_timeout_s, args.max_connections))

@@ -8,7 +8,10 @@ into JSON: nothing here recomputes what the engine already reports.
 
 Frames are built on the engine loop thread right after a step (the only moment the engine's state
 is consistent), at most ``FRAME_INTERVAL_S`` apart and only while someone watches; the SSE
-handlers just send the newest frame.
+handlers just send the newest frame. A page that connects first gets a frame built after it came
+(never an older one: the engine may have run for hours since nobody watched). The header's
+counts are the lengths of the lists the page shows: the waiting list holds every request not yet
+running, those the engine loop has accepted but not yet handed to the engine included.
 
 A frame holds the newest tokens of every request as text: with ``serve --api-key`` only key
 holders get the page and its events (``guard.RequireKey``); without a key, anyone who can reach
@@ -71,36 +74,40 @@ class Dashboard:
         about = eng.describe()
         self.tokens.append((now, loop.metrics.generation_tokens))
         (t_a, n_a), (t_b, n_b) = self.tokens[0], self.tokens[-1]
-        self.frame = {
+        running, waiting = [self.row(r) for r in self.requests(running=True)], self.waiting()
+        frame = {
             "step": loop.step_count, "time_s": round(now - self.t0, 3),
             "engine": eng.name, "model": eng.model.name,
             "policy": about.get("policy"), "kv_cache_dtype": about.get("kv_cache_dtype"),
-            "running": [self.row(r) for r in self.requests(running=True)],
-            "waiting": self.waiting(),
+            "running": running, "waiting": waiting,
             "kv": kv_json(eng.snapshot()),
             "points": list(self.points),
-            "stats": {"num_running": eng.num_running(), "num_waiting": loop.num_waiting(),
+            "stats": {"num_running": len(running), "num_waiting": len(waiting),
                       "finished": self.num_finished, "preemptions": eng.num_preemptions,
                       "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
         }
         if (control := eng.batch_control()) is not None:      # rung 12: the adaptive batch
-            self.frame["controller"] = {k: control.get(k) for k in CONTROLLER_KEYS}
+            frame["controller"] = {k: control.get(k) for k in CONTROLLER_KEYS}
         if eng.has_prefill_pool:                               # rung 11: the other pool
             picture = eng.prefill_snapshot()
-            self.frame["kv_prefill"] = None if picture is None else kv_json(picture)
+            frame["kv_prefill"] = None if picture is None else kv_json(picture)
         if (moved := loop.metrics.transfers) is not None:
             seconds, nbytes = moved
-            self.frame["transfers"] = {"requests": nbytes.count, "bytes": nbytes.total,
-                                       "mean_ms": round(1e3 * seconds.total / seconds.count, 1)}
+            frame["transfers"] = {"requests": nbytes.count, "bytes": nbytes.total,
+                                  "mean_ms": round(1e3 * seconds.total / seconds.count, 1)}
+        self.frame = frame        # whole: the SSE handlers read it from another thread
         self.last_build = now
         self.version += 1
 
     def waiting(self) -> list[dict]:
-        """The waiting queue; with the disagg engine also the requests still on their way to
-        the decode pool, with their stage (prefilling, prefilled, in transfer)."""
+        """The waiting queue, then the requests on their way into it, with their stage: with the
+        disagg engine those still on their way to the decode pool (prefilling, prefilled, in
+        transfer), and those the loop accepted that join the engine at its next step
+        (arriving)."""
         rows = [self.row(r, text=False) for r in self.requests(running=False)]
+        stages = {**self.loop.engine.stages(), "arriving": self.loop.arriving()}
         rows += [{**self.row(r, text=False), "stage": stage}
-                 for stage, reqs in self.loop.engine.stages().items() for r in reqs]
+                 for stage, reqs in stages.items() for r in reqs]
         return rows
 
     def requests(self, running: bool) -> list:
@@ -153,9 +160,11 @@ def add_dashboard(app: FastAPI, loop: EngineLoop, llm) -> Dashboard:
         async def stream():
             board.watchers += 1
             try:
-                # a fresh frame now, even if the engine is idle (built on the loop thread)
+                # frames built before this client came are stale: it gets the next one, built
+                # now on the loop thread even if the engine is idle (or after the step running)
+                seen = board.version
                 loop.call_soon(lambda: board.build(time.perf_counter()))
-                seen, t_end, quiet = -1, time.monotonic() + MAX_STREAM_S, 0
+                t_end, quiet = time.monotonic() + MAX_STREAM_S, 0
                 while time.monotonic() < t_end and not loop.stopping:
                     if board.version != seen:
                         seen, quiet = board.version, 0

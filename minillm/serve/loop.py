@@ -156,6 +156,12 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return len(self._arriving) + self.engine.num_waiting()
 
+    def arriving(self) -> list[Request]:
+        """Requests submitted but not yet in the engine (they join it at the next step), in the
+        order they came: they wait too (``num_waiting`` counts them)."""
+        with self._lock:
+            return [handle.request for handle in self._arriving.values()]
+
     def num_running(self) -> int:
         return self.engine.num_running()
 
