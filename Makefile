@@ -34,8 +34,11 @@ $(MODEL_STAMP): $(STAMP)
 	$(BIN)/python -c "from minillm.models import ensure_smollm2_cache as f; print(f())"
 	touch $@
 
+# JupyterLab refuses to start as root ("Running as root is not recommended") unless told to:
+# Docker, CI and many lab VMs run as root.
+LAB_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(LAB_ROOT) notebooks/
 
 # The browser test drives Debian's chromium through chromedriver; a missing browser fails it.
 # Install both when we can (root with apt-get, as in CI); otherwise say how.

@@ -20,8 +20,9 @@ knowing there runs from one call and prints one table:
 
 Each part runs in its own process under its own time budget, so one that hangs or crashes still
 leaves the others' numbers; logs and JSON land in ``--out``. Without CUDA it refuses unless
-``--allow-cpu`` (a dry run of the plumbing: ``--model tiny-llama``). Results of the first run (an
-H200) are in docs/RESULTS.md, "On a lent GPU".
+``--allow-cpu`` (a dry run of the plumbing: ``--model tiny-llama --budgets none``: the budgets
+are sized for a GPU's minutes, and a CPU on a busy machine may need longer for the same part).
+Results of the first run (an H200) are in docs/RESULTS.md, "On a lent GPU".
 
 The lent machine has torch, triton, transformers, pytest and hypothesis but not the server's
 packages: carry their wheels (the device tool's README says how) for the tests that start a
@@ -50,18 +51,46 @@ TEST_FILES = ("test_engines", "test_sampling", "test_recovery", "test_soak", "te
               "test_lora_triton", "test_lora", "test_async_scheduling", "test_batch_controller",
               "test_block_manager", "test_kv_pool", "test_kv_quant", "test_policy",
               "test_slo_policy", "test_dtype", "test_fused_ops", "test_model", "test_logprobs",
-              "test_sampler_controls", "test_structured_output")
+              "test_sampler_controls", "test_structured_output", "test_serve_grammar",
+              "test_lora_hostile")
 ENGINES = "naive,static,dynamic,paged,paged-async,hf-static,hf-generate-batch"
 PROFILE_ROWS = (1, 32, 128)
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+# Seconds per part on a lent GPU (PARTS' order): together under the session's 15 minutes.
+BUDGETS = "200,90,150,60,90,120,40"
 
 
-def run_part(name: str, cmd: list[str], budget_s: float, out: Path) -> dict:
-    """Run one part in its own process, its output to ``out/NAME.log``; killed at its budget."""
+def parse_budgets(text: str) -> dict[str, float | None]:
+    """``--budgets``: seconds per part in PARTS' order, or ``none`` (one for all, or per part):
+    no limit. 0 is no limit too."""
+    items = [b.strip() for b in text.split(",")]
+    if len(items) == 1 and items[0].lower() == "none":
+        items = items * len(PARTS)
+    if len(items) != len(PARTS):
+        raise ValueError(f"--budgets={text!r}: give {len(PARTS)} values ({', '.join(PARTS)}) "
+                         "or 'none'")
+    budgets = {}
+    for name, item in zip(PARTS, items):
+        try:
+            value = None if item.lower() == "none" else float(item)
+        except ValueError:
+            raise ValueError(f"--budgets={text!r}: {name}'s budget {item!r} is not a number of "
+                             "seconds or 'none'") from None
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"--budgets={text!r}: {name}'s budget {item!r} must be a finite "
+                             "number of seconds >= 0")
+        budgets[name] = value or None
+    return budgets
+
+
+def run_part(name: str, cmd: list[str], budget_s: float | None, out: Path) -> dict:
+    """Run one part in its own process, its output to ``out/NAME.log``; killed at its budget
+    (None: none)."""
     t = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "PYTHONUNBUFFERED": "1"}
-    print(f"== {name}: {' '.join(cmd)} (budget {budget_s:.0f} s)", flush=True)
+    budget = "no budget" if budget_s is None else f"budget {budget_s:.0f} s"
+    print(f"== {name}: {' '.join(cmd)} ({budget})", flush=True)
     with open(out / f"{name}.log", "w") as log:
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
@@ -185,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-random", help="for the engines and profile parts")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default="triton")
-    ap.add_argument("--budgets", default="200,90,150,60,90,120,40",
-                    help="seconds per part, in the order of --parts' default")
+    ap.add_argument("--budgets", default=BUDGETS,
+                    help="seconds per part, in the order of --parts' default; 'none' (or 0): "
+                         "no limit, for a dry run on a CPU")
     ap.add_argument("--quick", action="store_true", help="fewer requests in the engines part")
     ap.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a dry run)")
     ap.add_argument("--profile-only", action="store_true", help=argparse.SUPPRESS)
@@ -206,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if torch.cuda.is_available():
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    budgets = dict(zip(PARTS, (float(b) for b in args.budgets.split(","))))
+    try:
+        budgets = parse_budgets(args.budgets)
+    except ValueError as e:
+        ap.error(str(e))
     cmds = {"tests": tests_cmd(out),
             "kernels": [sys.executable, "-m", "minillm.bench.kernels", "--quick",
                         "--json", str(out / "kernels.json")],

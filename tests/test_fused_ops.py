@@ -148,7 +148,8 @@ def test_the_engine_option_chooses_the_ops_and_refuses_what_cannot_run(tiny):
         assert llm.engine.describe()["layer_ops"] == ops
         outs[ops] = [o.token_ids for o in llm.generate(prompts, params)]
     assert sum(a == b for a, b in zip(outs["fused"], outs["eager"])) >= 2
-    fp32 = [[o.token_ids for o in LLM(tiny, engine="paged", layer_ops=ops, num_blocks=32)
+    cpu = load_model("tiny-llama", dtype=torch.float32, device="cpu")   # tiny is CUDA's on a GPU
+    fp32 = [[o.token_ids for o in LLM(cpu, engine="paged", layer_ops=ops, num_blocks=32)
              .generate(prompts, params)] for ops in ("fused", "eager")]
     assert fp32[0] == fp32[1]
     with pytest.raises(ValueError, match="unknown layer_ops 'fast'"):

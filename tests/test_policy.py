@@ -237,3 +237,47 @@ def test_a_preempted_group_goes_before_its_equals():
     sched.preempt(first, SchedulerOutput([], [], []))
     assert [g.request.request_id for g in sched.waiting] == ["r02", "first", "r10", "r11", "r23"]
     assert sched.waiting[1] is first and later[2] is sched.waiting[0]
+
+
+
+def first_token_under_a_steady_stream(policy: str, arrive_at: int, horizon: int, seats: int = 4,
+                                      max_tokens: int = 4) -> tuple[int | None, dict]:
+    """One priority-0 request per step (4-token prompts, ``max_tokens`` each: as many steps as
+    tokens, so ``seats`` seats serve exactly that rate and the queue never empties) and one
+    priority-10 request at step ``arrive_at``, for at most ``horizon`` steps on the real
+    scheduler (a model that computes nothing). Returns the step of the priority-10 request's
+    first token (None: none by ``horizon``) and the step each request was first scheduled."""
+    from minillm.lab.graders.test_08 import Sim
+
+    sim = Sim(num_blocks=512, block_size=4, budget=64, max_seqs=seats, policy=policy)
+    low = None
+    for step in range(horizon):
+        if step == arrive_at:
+            low = sim.add("low", max_tokens=max_tokens, priority=10)
+        sim.add(f"r{step}", max_tokens=max_tokens, priority=0)
+        sim.run_step()
+        if low is not None and low.output_token_ids:
+            return step, sim.first_scheduled
+    return None, sim.first_scheduled
+
+
+def test_score_defaults_serve_a_priority_10_request_within_a_few_hundred_steps():
+    """The bound of core/policy.py's docstring with the default weights, on the step clock: a
+    request 10 levels behind a steady stream of priority-0 requests gets its first token within
+    D + ceil(|ahead| / S) * L steps, a few hundred; under ``priority`` the same stream starves
+    it."""
+    policy, seats, max_tokens, a = Score(), 4, 4, 20
+    d = policy.overtake_horizon(group_of(priority=10, max_tokens=max_tokens, arrival_step=a), 0)
+    # ahead: the seats and the queue it found (the stream's rate is what the seats serve, so at
+    # most a batch of each) and the D arrivals after it; L = max_tokens steps each
+    bound = d + math.ceil((2 * seats + d) / seats) * max_tokens
+    assert bound <= 500, f"the default weights' bound is {bound} steps: not a few hundred"
+    first, scheduled = first_token_under_a_steady_stream("score", a, a + bound + 1, seats,
+                                                         max_tokens)
+    assert first is not None and first - a <= bound, \
+        f"the priority-10 request's first token: step {first}, bound {a + bound}"
+    # newer priority-0 requests overtook it until D: aging is what served it
+    assert any(int(r[1:]) > a and t < first for r, t in scheduled.items() if r != "low")
+    starved, _ = first_token_under_a_steady_stream("priority", a, a + bound + 1, seats,
+                                                   max_tokens)
+    assert starved is None

@@ -39,7 +39,13 @@ CONNECT_TIMEOUT_S = 300.0
 
 
 class WorkerError(RuntimeError):
-    """A pipeline rank died, timed out or broke the protocol; the engine cannot continue."""
+    """A pipeline rank died, timed out or broke the protocol; the engine cannot continue.
+    ``peer``: the rank this one was waiting for when it gave up (None: not known), which lets
+    the launcher tell a rank that stopped answering from the ranks that waited for it."""
+
+    def __init__(self, *args, peer: int | None = None):
+        super().__init__(*args)
+        self.peer = peer
 
 
 @contextmanager
@@ -82,14 +88,15 @@ class Comm:
     device: torch.device
     timeout_s: float = 60.0
     timeline: Timeline = field(default_factory=lambda: Timeline(0))
-    pending: list = field(default_factory=list)   # (work, tensors kept alive until sent)
+    pending: list = field(default_factory=list)   # (work, tensor kept alive until sent, dst)
     store: object = None          # the group's key-value store (rung 10 forms subgroups on it)
 
     # --- tensors ------------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = TAG_DATA) -> None:
         """Start sending; the tensor is kept alive until ``flush`` sees the send complete."""
         tensor = tensor.contiguous()
-        self.pending.append((self._call(lambda: self.pg.send([tensor], dst, tag), dst), tensor))
+        self.pending.append((self._call(lambda: self.pg.send([tensor], dst, tag), dst), tensor,
+                             dst))
 
     def recv(self, shape: tuple, dtype: torch.dtype, src: int, tag: int = TAG_DATA,
              what: str | None = "recv", microbatch: int = -1,
@@ -103,15 +110,15 @@ class Comm:
 
     def prune(self) -> None:
         """Forget the sends that have completed (without waiting for the others)."""
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        self.pending = [sent for sent in self.pending if not sent[0].is_completed()]
 
     def flush(self, microbatch: int = -1) -> None:
         """Wait for every send started so far (they finish in the background meanwhile)."""
         if not self.pending:
             return
         with self.timeline.span("send", microbatch):
-            for work, _ in self.pending:
-                self.wait(work, None)
+            for work, _, dst in self.pending:
+                self.wait(work, dst)
         self.pending.clear()
 
     def wait(self, work, peer: int | None, timeout_s: float | None = None) -> None:
@@ -120,13 +127,15 @@ class Comm:
         except Exception as e:   # gloo: the peer closed its socket, or the timeout passed
             who = f"rank {peer}" if peer is not None else "a peer"
             raise WorkerError(f"rank {self.rank}: lost {who} ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else e!r})") from None
+                              f"{str(e).splitlines()[0] if str(e) else e!r})",
+                              peer=peer) from None
 
     def _call(self, start, peer: int):
         try:
             return start()
         except Exception as e:
-            raise WorkerError(f"rank {self.rank}: cannot reach rank {peer} ({e})") from None
+            raise WorkerError(f"rank {self.rank}: cannot reach rank {peer} ({e})",
+                              peer=peer) from None
 
     # --- objects ------------------------------------------------------------------------------
     def send_object(self, obj, dst: int) -> None:

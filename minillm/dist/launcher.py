@@ -5,13 +5,16 @@
 forms the process group; each worker then runs the rung's ``run(comm, shared)``. A watchdog turns
 any failure into a clear error: if a worker dies, the next wait on rank 0 fails (its socket
 closed), ``WorkerGroup.failure`` names the rank and its exit code, and every other worker is
-terminated -- nothing hangs, nothing is left behind.
+terminated -- nothing hangs, nothing is left behind. A rank that hangs instead (alive, silent)
+makes the ranks waiting for it time out; each names the peer it waited for, and the one they
+all waited for is blamed, not the first of them to exit.
 
 Under ``torchrun`` (one process per rank, possibly on several machines) there is nothing to
 spawn: ``group_from_env`` joins the group, and each rung says what its other ranks run.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -30,6 +33,10 @@ from .comm import CONNECT_TIMEOUT_S, Comm, WorkerError, group_from_env, new_grou
 HOST = "127.0.0.1"
 
 
+# What a worker wrote in ``WorkerGroup.lost`` (beside the rank it lost, 0..world_size-1)
+NO_REPORT, UNKNOWN_PEER = -2, -1
+
+
 @dataclass
 class WorkerGroup:
     """Rank 0's handle on the pipeline: its ``Comm`` and the worker processes it spawned (none
@@ -40,31 +47,75 @@ class WorkerGroup:
     store: object = None          # the TCPStore rank 0 hosts: it must live as long as the group
     closed: bool = False
     role: str = "pipeline"        # what the workers are, in messages (rung 11: "prefill")
+    # Shared memory, one int per rank: the peer a worker was waiting for when it gave up
+    # (NO_REPORT until then). A worker writes it before it exits, so it is visible by the time
+    # the exit is; a queue's data could still be in flight.
+    lost: object = None
+
+    def reports(self) -> dict[int, int | None]:
+        """rank -> the peer it gave up waiting for (None: one it could not name), for each
+        worker that reported losing one."""
+        if self.lost is None:
+            return {}
+        return {rank: (None if peer == UNKNOWN_PEER else peer)
+                for rank, peer in enumerate(self.lost[:]) if peer != NO_REPORT}
+
+    def exited(self, rank: int) -> str:
+        p, reported = self.processes[rank], self.reports()
+        why = "" if rank not in reported else " after losing " + (
+            "a peer" if reported[rank] is None else f"rank {reported[rank]}")
+        return f"{self.role} worker rank {rank} (pid {p.pid}) exited with code " \
+               f"{p.exitcode}{signal_name(p.exitcode)}{why}"
 
     def dead_worker(self) -> str | None:
+        """A worker that ended on its own (killed, crashed, exited): not one that exited because
+        it lost a peer (that one only reports the cause)."""
+        reported = self.reports()
         for rank, p in self.processes.items():
-            if p.exitcode is not None and not (p.exitcode == 0 and self.closed):
-                return f"{self.role} worker rank {rank} (pid {p.pid}) exited with code " \
-                       f"{p.exitcode}{signal_name(p.exitcode)}"
+            if p.exitcode is not None and rank not in reported and \
+                    not (p.exitcode == 0 and self.closed):
+                return self.exited(rank)
+        return None
+
+    def silent_rank(self, error: Exception) -> str | None:
+        """A live worker that others gave up waiting for, and that lost no one itself: it stopped
+        answering (hung, stopped). The ranks that waited for it time out and exit; they are
+        not the cause."""
+        lost = self.reports()
+        if getattr(error, "peer", None) is not None:
+            lost[self.comm.rank] = error.peer
+        for peer in sorted({q for q in lost.values() if q is not None}):
+            p = self.processes.get(peer)
+            if peer not in lost and p is not None and p.is_alive():
+                waiters = sorted(r for r, q in lost.items() if q == peer)
+                return f"{self.role} worker rank {peer} (pid {p.pid}) stopped answering: " \
+                       f"rank{'s' * (len(waiters) > 1)} {', '.join(map(str, waiters))} " \
+                       "gave up waiting for it"
         return None
 
     def failure(self, error: Exception, grace_s: float = 5.0) -> WorkerError:
-        """The error to raise after a failed wait: which worker died (waiting up to ``grace_s``
-        for its exit to be visible), then every worker is stopped."""
+        """The error to raise after a failed wait, naming the cause, then every worker is stopped.
+        A worker that died is the cause (waiting up to ``grace_s`` for its exit to be visible);
+        failing that, a live rank the others gave up waiting for; failing that, the first
+        worker that exited."""
         deadline = time.monotonic() + grace_s
         why = self.dead_worker()
         while why is None and self.processes and time.monotonic() < deadline:
             time.sleep(0.05)
             why = self.dead_worker()
+        why = why or self.silent_rank(error) or next(
+            (self.exited(r) for r, p in self.processes.items() if p.exitcode is not None), None)
         self.terminate()
         return WorkerError(f"{why or f'the {self.role} group failed'}; all ranks stopped "
-                             f"({error})")
+                           f"({error})")
 
     def terminate(self) -> None:
         self.closed = True
         for p in self.processes.values():
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(OSError):   # a stopped rank acts on SIGTERM once
+                    os.kill(p.pid, signal.SIGCONT)   # continued
         for p in self.processes.values():
             p.join(3)
             if p.is_alive():
@@ -108,13 +159,15 @@ def launch(shared, world_size: int, timeout_s: float, worker_threads: int, run,
                           wait_for_workers=False)
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
+    lost = ctx.Array("i", [NO_REPORT] * world_size, lock=False)
     procs = {}
     for rank in range(1, world_size):
         procs[rank] = ctx.Process(target=worker_main, name=f"minillm-{role}-rank{rank}",
                                   args=(rank, world_size, store.port, shared, timeout_s,
-                                        worker_threads, ready, run), daemon=True)
+                                        worker_threads, ready, run, lost), daemon=True)
         procs[rank].start()
-    group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs, store, role=role)
+    group = WorkerGroup(Comm(None, 0, world_size, torch.device("cpu")), procs, store, role=role,
+                        lost=lost)
     # Wait for every worker to have started (imports done) before forming the group: a worker
     # that dies on the way is reported now rather than after the group's whole timeout.
     started, deadline = set(), time.monotonic() + start_s
@@ -135,8 +188,9 @@ def launch(shared, world_size: int, timeout_s: float, worker_threads: int, run,
 
 
 def worker_main(rank: int, world_size: int, port: int, shared, timeout_s: float,
-                threads: int, ready, run) -> None:
-    """A spawned worker: join the group, then serve until "stop" (exit 0) or a failure (exit 1)."""
+                threads: int, ready, run, lost) -> None:
+    """A spawned worker: join the group, then serve until "stop" (exit 0) or a failure (exit 1,
+    after writing in ``lost`` which peer it gave up waiting for)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle, not ours
     exit_with_parent()
     torch.set_num_threads(threads)
@@ -145,6 +199,7 @@ def worker_main(rank: int, world_size: int, port: int, shared, timeout_s: float,
         comm = new_group(rank, world_size, HOST, port, torch.device("cpu"), timeout_s)
         run(comm, shared)
     except WorkerError as e:
+        lost[rank] = UNKNOWN_PEER if e.peer is None else e.peer
         print(f"[minillm worker {rank}] {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -7,8 +7,10 @@ Drawing (pure matplotlib, one palette and one memory legend, both in ``plots.py`
   block_figures.py     block tables with their words, copy-on-write step by step, beams'
                        reference counts, the prefix cache (03)
   schedule_figures.py  chunked prefill riding with decodes, priorities, preemptions (03)
+  lora_figures.py      which adapter each slot holds, step by step (13)
 Widgets (ipywidgets classes that call the drawing functions):
-  live_view.py         LiveMemoryView: KV memory while an engine runs, then a slider (00-05)
+  live_view.py         LiveMemoryView: KV memory while an engine runs, then a slider, and its
+                       last frame as a picture for pages without a kernel (00-06, 08-11, 13)
   visualizer.py        FragmentationVisualizer: workload controls, every allocator (05)
   frames.py            FramePlayer: frames drawn off the event loop, no backlog after Stop (05)
 The fragmentation visualizer's replays, no model needed (05):

@@ -7,16 +7,45 @@ the run its slider scrubs back to any step. No drawing here: the picture is ``pl
 rendered with matplotlib's Agg canvas into PNG bytes shown by an ``ipywidgets.Image``. Updating
 an image widget's value is all it takes, live in JupyterLab while a cell runs, headless under
 nbclient, and in a browser alike; ``figure()`` returns the picture as a ``Figure`` to save.
+
+A widget needs a live kernel: a page converted from the executed notebook (``jupyter nbconvert``,
+``python -m minillm.lab export``) has none, so ``finish`` also leaves the last frame in the output
+as a plain picture (``StaticFigure``), which hides itself wherever the live widget is drawn.
 """
 from __future__ import annotations
 
+import base64
 import time
+from html import escape as html_escape
 
 from matplotlib.figure import Figure
 
 from ..memory import KVCounts, MemorySnapshot
-from .notebook import static_export
 from .plots import live_figure, render_png
+
+LIVE_CLASS = "minillm-live-figure"          # the live widget's image element
+STATIC_CLASS = "minillm-static-figure"      # its picture for pages without a kernel
+# The static picture steps aside in an output area (JupyterLab's, nbconvert's lab template,
+# classic Notebook's) that also holds a drawn live widget; anywhere else it shows.
+HIDE_WHEN_LIVE = ", ".join(f"{area}:has(.{LIVE_CLASS}) .{STATIC_CLASS}"
+                           for area in (".jp-OutputArea", ".output")) + " { display: none; }"
+
+
+class StaticFigure:
+    """A PNG for pages that cannot run widgets, as HTML that hides itself beside a live widget
+    (and as ``image/png`` for front ends that show no HTML)."""
+
+    def __init__(self, png: bytes, alt: str = ""):
+        self.png, self.alt = png, alt
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        data = base64.b64encode(self.png).decode()
+        html = (f"<style>{HIDE_WHEN_LIVE}</style><img class=\"{STATIC_CLASS}\" "
+                f"alt=\"{html_escape(self.alt)}\" src=\"data:image/png;base64,{data}\">")
+        return {"text/html": html, "image/png": data, "text/plain": f"<{self.alt}>"}
+
+    def __repr__(self) -> str:
+        return f"<{self.alt}>"
 
 
 class LiveMemoryView:
@@ -57,11 +86,21 @@ class LiveMemoryView:
             self._last_draw = time.perf_counter()
 
     def finish(self) -> "LiveMemoryView":
-        """Draw the last step and hand the slider to the user (in a static export, also leave
-        the picture itself in the output)."""
-        if static_export() and self.snapshots:
-            from IPython.display import Image, display
-            display(Image(render_png(self.figure(self.last_busy()), self.dpi)))
+        """Draw the last step and hand the slider to the user; leave that picture in the output
+        too, for a page without a kernel (``StaticFigure``: hidden beside the live widget)."""
+        if self.snapshots:
+            from IPython.display import display
+            display(self.static_figure())
+        return self._finish_widget()
+
+    def static_figure(self) -> StaticFigure:
+        """The last busy step's picture, for pages that cannot run the widget."""
+        i = self.last_busy()
+        name = self.title or self.snapshots[i].engine
+        return StaticFigure(render_png(self.figure(i), self.dpi),
+                            f"{name}: KV memory at step {self.snapshots[i].step}")
+
+    def _finish_widget(self) -> "LiveMemoryView":
         if self._ui is not None and self.snapshots:
             self.show(self.last_busy())
             self._ui["slider"].disabled = False
@@ -118,12 +157,12 @@ class LiveMemoryView:
                   "slider": w.IntSlider(value=0, min=0, max=0, description="step index",
                                         continuous_update=False, disabled=True,
                                         layout=w.Layout(width="60%"))}
-            ui["image"].add_class("minillm-live-figure")
+            ui["image"].add_class(LIVE_CLASS)
             ui["slider"].observe(self._on_slide, names="value")
             ui["box"] = w.VBox([ui["status"], ui["image"], ui["slider"]])
             self._ui = ui
             if self.snapshots:          # displayed after a run: show the end, ready to scrub
-                self.finish()
+                self._finish_widget()
         return self._ui["box"]
 
     def _repr_mimebundle_(self, **kwargs):
