@@ -11,6 +11,12 @@ from __future__ import annotations
 import importlib
 import os
 
+from .openmp import bound_openmp_spin
+
+# Before anything imports torch: libgomp reads its spin count once, when it loads (openmp.py says
+# why a busy machine needs the bound).
+bound_openmp_spin()
+
 if os.environ.get("MINILLM_LABWORK_FILES"):
     # A rank spawned by a handout's notebook: the student's solutions stand in here too, before
     # any module of the engine is imported (lab/labwork.py).

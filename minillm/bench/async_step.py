@@ -8,11 +8,13 @@ decode each running request's text so far. Synchronously that host work sits bet
 forwards; with ``async_scheduling`` the next forward runs during it. Printed per model and batch:
 ms per step and output tok/s for both, the compute's idle time between two forwards (sync/async:
 the bubble, from the ``"executed"`` observer event's spans) and the host time the overlap hid
-(``overlap``).
+(``overlap``). ``--busy N`` runs both beside N processes spinning on the CPU, as a lab server's
+other jobs would (``minillm.openmp``: what a busy machine does to OpenMP's waiting threads).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from ..core.driver import Driver, ScheduledArrivals, WallClock
 from ..engines import create_engine
 from ..models import load_model
+from .profile_step import busy_cores
 from ..request import Request, SamplingParams
 
 
@@ -72,10 +75,21 @@ def main(argv=None) -> None:
                     help="torch threads (on a loaded 2-core machine, 2 threads' OpenMP barriers "
                          "slow the main thread's forwards far more than a worker thread's: "
                          "compare at 1 to see the overlap alone)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="keep this many cores busy with other processes while measuring (a "
+                         "lab server's other jobs; minillm.openmp says what they do to OpenMP)")
     args = ap.parse_args(argv)
+    with busy_cores(args.busy):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    print(f"{torch.get_num_threads()} thread(s), {args.busy} core(s) busy, GOMP_SPINCOUNT="
+          f"{os.environ.get('GOMP_SPINCOUNT', '-')}, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '-')}")
     print(f"{'model':24} {'batch':>5} {'sync ms/step':>12} {'async ms/step':>13} "
           f"{'sync tok/s':>10} {'async tok/s':>11} {'idle ms/step':>13}  hidden host ms")
     for name in args.models.split(","):

@@ -137,7 +137,8 @@ def worker_env(threads: int | None = None) -> dict:
     a ``VLLM_CPU_OMP_THREADS_BIND`` already set wins), the libraries its CPU guide preloads
     (``preload_libraries``; an ``LD_PRELOAD`` already set is kept after them), and its compile
     cache off (it fails to reload on this CPU build: compile afresh each run)."""
-    env = {**os.environ, "VLLM_USE_AOT_COMPILE": "0", "PYTHONPATH": ""}
+    from ..openmp import peer_environ      # here: this file also runs inside vLLM's venv
+    env = peer_environ({**os.environ, "VLLM_USE_AOT_COMPILE": "0", "PYTHONPATH": ""})
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(threads))
     if sys.platform.startswith("linux"):
         preload = [*preload_libraries(), *filter(None, env.get("LD_PRELOAD", "").split(":"))]
