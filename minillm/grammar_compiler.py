@@ -19,14 +19,23 @@ import importlib.util
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .checks import FieldError
 
-if TYPE_CHECKING:
-    from .structured import StructuredOutputsParams
+
+class GrammarSpec(Protocol):
+    """What the compiler needs of a request's grammar (``structured.StructuredOutputsParams``
+    fills it; named here so that this module does not import the one that imports it)."""
+
+    key: tuple          # what makes two specs the same grammar
+    field: str          # the request field it came from, for errors
+
+    def grammar(self):  # xgrammar's Grammar
+        ...
+
 
 MAX_GRAMMARS = 256              # compiled grammars kept per tokenizer
 MAX_CACHE_BYTES = 512 * 2**20   # and their masks' bytes (a 10,000-way choice: ~7 MB for SmolLM2)
@@ -80,7 +89,7 @@ class GrammarCompiler:
         self.compiled: OrderedDict[tuple, Future] = OrderedDict()
         self.lock = threading.Lock()    # guards ``compiled`` only, never held while compiling
 
-    def compile(self, so: StructuredOutputsParams, wait_s: float | None = None):
+    def compile(self, so: GrammarSpec, wait_s: float | None = None):
         """``so``'s ``CompiledGrammar``, compiled now unless cached or compiling in another
         thread (then waited for: at most ``wait_s`` seconds, if given, before
         ``concurrent.futures.TimeoutError``). A grammar that cannot be compiled is a
@@ -90,7 +99,7 @@ class GrammarCompiler:
             self._run(so, future)
         return future.result(wait_s)
 
-    def build(self, so: StructuredOutputsParams):
+    def build(self, so: GrammarSpec):
         """Parse and compile ``so`` (the slow part: no lock is held); refuse a grammar that no
         string satisfies."""
         compiled = self.compiler.compile_grammar(so.grammar())
@@ -116,7 +125,7 @@ class GrammarCompiler:
             future.set_running_or_notify_cancel()     # a waiter cannot cancel it
             return future, True
 
-    def _run(self, so: StructuredOutputsParams, future: Future) -> None:
+    def _run(self, so: GrammarSpec, future: Future) -> None:
         try:
             compiled = self.build(so)
         except ValueError as e:         # the grammar's own fault: asked again, the same answer
