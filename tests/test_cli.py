@@ -16,6 +16,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_lines(err: str) -> list[str]:
+    """What a run printed on stderr, without the one line a CPU with no native bf16 prints once
+    per process when ``--dtype auto`` resolves (which test meets it first depends on the order)."""
+    return [line for line in err.splitlines() if not line.startswith("minillm: dtype auto:")]
+
+
 def run_cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "minillm", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=600)
@@ -232,8 +238,8 @@ def test_generate_interrupt_keeps_finished_lines(tmp_path, capsys, monkeypatch):
     assert [o["error"] for o in out[2:5]] == [f"line {i}: interrupted before it finished"
                                               for i in (3, 4, 5)]
     assert "invalid JSON" in out[5]["error"]
-    err = capsys.readouterr().err
-    assert err.startswith("interrupted: 2/6 ok, 3 unfinished") and err.count("\n") == 1
+    err = run_lines(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("interrupted: 2/6 ok, 3 unfinished"), err
 
 
 # (signal, exit status, the word on stderr and in unfinished lines): issue 38 -- SIGTERM and SIGHUP
@@ -343,7 +349,7 @@ def test_generate_ids_that_json_cannot_write(tmp_path, capsys):
         assert o["error"] == f"line {o['id']}: field 'id' must be a string or an integer, " \
                              f"got {shown}"
     assert all("token_ids" in o for o in out[5:])
-    assert capsys.readouterr().err.startswith("2/7 ok")
+    assert run_lines(capsys.readouterr().err)[0].startswith("2/7 ok")
 
 
 # --- generate when the engine fails mid-run: finished lines kept, the others name the cause -----
@@ -389,8 +395,8 @@ def test_generate_engine_failure_keeps_finished_lines(tmp_path, capsys, monkeypa
             assert row["error"] == (f"line {row['id'] + 1}: not finished: the run stopped "
                                     "(RuntimeError: injected fault)")
     assert "invalid JSON" in out[9]["error"]
-    err = capsys.readouterr().err
-    assert err == f"error: RuntimeError: injected fault: 3/10 ok, 6 unfinished -> {dst}\n"
+    err = run_lines(capsys.readouterr().err)
+    assert err == [f"error: RuntimeError: injected fault: 3/10 ok, 6 unfinished -> {dst}"]
 
 
 def descendants(pid: int) -> set[int]:
