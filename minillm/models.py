@@ -125,6 +125,17 @@ def say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def auto_dtype(device_type: str) -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` computes in on ``device_type``, and why in words (serve's start-up
+    line and ``resolve_dtype``'s note both say it)."""
+    kind = "GPU" if device_type == "cuda" else device_type.upper()
+    if native_bf16(device_type):
+        return torch.bfloat16, f"this {kind} computes bf16 natively"
+    extensions = " (AMX-BF16 or AVX512-BF16)" if device_type == "cpu" else ""
+    return torch.float32, (f"this {kind} has no native bf16{extensions}; emulated bf16 is slower "
+                           "than float32")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """A ``--dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``, or a torch dtype) for
     ``device``. ``auto``: bf16 where the device computes it natively (``native_bf16``), else fp32,
@@ -137,11 +148,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype is None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if dtype == "auto":
-        if native_bf16(device.type):
-            return torch.bfloat16
-        say_once(f"minillm: dtype auto: this {device.type} has no native bf16 (AMX-BF16 or "
-                 "AVX512-BF16 on a CPU): computing in float32")
-        return torch.float32
+        chosen, why = auto_dtype(device.type)
+        if chosen != torch.bfloat16:
+            say_once(f"minillm: dtype auto: {why}: computing in float32")
+        return chosen
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
     return DTYPES[dtype]

@@ -112,20 +112,14 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def dtype_choice(requested: str) -> tuple[str, str]:
-    """The dtype serve loads the model in (``--dtype``; ``auto`` resolved as
-    ``models.resolve_dtype`` resolves it) and the one start-up line that says it, and for
-    ``auto`` why."""
-    from ..models import default_device, native_bf16
+    """The dtype serve loads the model in (``--dtype``; ``auto`` as ``models.resolve_dtype``
+    resolves it) and the one start-up line that says it, and for ``auto`` why."""
+    from ..models import auto_dtype, default_device, dtype_name
 
     if requested != "auto":
         return requested, f"[minillm] dtype: {requested} (--dtype)"
-    device = default_device().type
-    kind = "GPU" if device == "cuda" else device.upper()
-    if native_bf16(device):
-        return "bfloat16", f"[minillm] dtype: auto -> bfloat16 (this {kind} computes bf16 natively)"
-    why = " (AMX-BF16 or AVX512-BF16)" if device == "cpu" else ""
-    return "float32", (f"[minillm] dtype: auto -> float32 (this {kind} has no native bf16{why}; "
-                       "emulated bf16 is slower than float32)")
+    chosen, why = auto_dtype(default_device().type)
+    return dtype_name(chosen), f"[minillm] dtype: auto -> {dtype_name(chosen)} ({why})"
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
