@@ -14,7 +14,7 @@ import torch
 
 from .chat import encode_chat
 from .engines import ENGINES, RunResult, create_engine
-from .core.interface import OnOutput, OnStep
+from .runtime.interface import OnOutput, OnStep
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_dtype
 from .request import Request, RequestError, RequestOutput, SamplingParams
 

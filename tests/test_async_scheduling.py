@@ -10,8 +10,9 @@ import pytest
 
 from minillm import Request, SamplingParams
 from minillm.core.engine import PagedEngine
+from minillm.core.executor import InlineExecutor
 from minillm.engines import create_engine
-from minillm.engines.r12_realtime.engine import AsyncEngine
+from minillm.engines.r12_realtime.engine import ThreadExecutor
 from minillm.lab.reference import mixed_requests
 from minillm.request import FinishReason
 
@@ -34,7 +35,8 @@ def outputs(engine, reqs) -> dict:
 def test_tokens_identical_to_the_synchronous_engine(tiny, options):
     sync = create_engine("paged", tiny, **options)
     overlapped = create_engine("paged", tiny, async_scheduling=True, **options)
-    assert type(sync) is PagedEngine and type(overlapped) is AsyncEngine
+    assert type(sync) is type(overlapped) is PagedEngine    # one engine; its executor differs
+    assert isinstance(overlapped.executor, ThreadExecutor)
     want, got = outputs(sync, workload()), outputs(overlapped, workload())
     assert got == want
     assert overlapped.num_preemptions == sync.num_preemptions
@@ -54,7 +56,7 @@ def test_abort_while_a_forward_is_in_flight_ends_the_request_once(tiny):
     for r in reqs:
         engine.add_request(r)
     engine.step()                                   # launches the first forward
-    assert engine.in_flight is not None
+    assert engine.in_flight
     assert engine.abort("r1") and not engine.abort("r1") and not engine.abort("nope")
     finals = drain(engine, Counter())
     assert all(finals[r.request_id] == 1 for r in reqs)
@@ -128,7 +130,7 @@ def test_a_failing_forward_is_raised_and_the_engine_resets(tiny):
     engine.runner.run = flaky                       # the test's own fault injection
     with pytest.raises(Boom):
         engine.run(workload()[:3])
-    assert engine.in_flight is None and not engine.has_unfinished()
+    assert not engine.in_flight and not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.runner.run = real_run
     assert len(engine.run(workload()[:2]).outputs) == 2
@@ -148,7 +150,8 @@ def test_speculative_decoding_overlapped_gives_the_synchronous_tokens(tiny, meth
     sync = create_engine("paged", tiny, speculative=method, **options)
     overlapped = create_engine("paged", tiny, speculative=method, async_scheduling=True,
                                **options)
-    assert isinstance(overlapped, AsyncEngine) and overlapped.name == f"paged+{method}-async"
+    assert type(overlapped) is type(sync) and overlapped.name == sync.name      # no combination class
+    assert isinstance(overlapped.executor, ThreadExecutor)
     reqs = workload() + [Request([5, 6, 7, 5, 6, 7, 5, 6] * 2, SamplingParams(
         max_tokens=24, ignore_eos=True), request_id="copy")]          # the n-gram's food
     want = outputs(sync, reqs)
@@ -175,4 +178,5 @@ def test_engines_that_cannot_overlap_refuse_it_by_name(tiny, extra):
 
 
 def test_async_scheduling_false_is_the_plain_engine(tiny):
-    assert type(create_engine("paged", tiny, async_scheduling=False, num_blocks=8)) is PagedEngine
+    engine = create_engine("paged", tiny, async_scheduling=False, num_blocks=8)
+    assert type(engine) is PagedEngine and type(engine.executor) is InlineExecutor

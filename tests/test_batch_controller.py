@@ -1,4 +1,4 @@
-"""Rung 12's adaptive batch (core/batch_controller.py, notebook 12): against a fake cost model
+"""Rung 12's adaptive batch (engines/r12_realtime/batch_controller.py, notebook 12): against a fake cost model
 (step time = a + b * tokens, the step's measurement injected) the cap converges to the widest
 batch within the TPOT target and stays there (no oscillation), widens when steps get cheaper,
 never falls below 1 (nor below a request's n samples), and in the engine holds every step under
@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import Request, SamplingParams
-from minillm.core.batch_controller import Demand, TPOTController, make_controller
-from minillm.core.config import SchedulerConfig
+from minillm.engines.r12_realtime.batch_controller import Demand, TPOTController
+from minillm.engines import build_components
+from minillm.engines.r12_realtime.config import RealtimeConfig
 from minillm.core.engine import PagedEngine
 from minillm.engines.r12_realtime.sim import sim_engine, sim_request, simulate
 
@@ -52,19 +53,22 @@ def test_cap_widens_when_steps_get_cheaper_and_narrows_when_dearer():
     assert slow == 42 and 170 - 170 // 50 <= fast <= 170 and dear == 21
 
 
+def make_controller(**options):
+    """The controller the registry gives the paged engine for these options (None: none)."""
+    return build_components(options).get("controller")
+
+
 def test_config_and_make_controller():
-    assert make_controller(SchedulerConfig()).cap is None
-    ctl = make_controller(SchedulerConfig(batch_controller="tpot", tpot_target_ms=30,
-                                          max_num_batched_tokens=256))
+    assert make_controller() is None
+    ctl = make_controller(batch_controller="tpot", tpot_target_ms=30, max_num_batched_tokens=256)
     assert (ctl.target_ms, ctl.cap) == (30.0, 256)
     with pytest.raises(ValueError, match="batch_controller"):
-        SchedulerConfig(batch_controller="pid")
+        RealtimeConfig(batch_controller="pid")
     with pytest.raises(ValueError, match="tpot_target_ms"):
-        SchedulerConfig(tpot_target_ms=0)
+        RealtimeConfig(tpot_target_ms=0)
     with pytest.raises(ValueError, match="tpot_overload 'shed'"):
-        SchedulerConfig(tpot_overload="shed")
-    assert make_controller(SchedulerConfig(batch_controller="tpot",
-                                           tpot_overload="widen")).overload == "widen"
+        RealtimeConfig(tpot_overload="shed")
+    assert make_controller(batch_controller="tpot", tpot_overload="widen").overload == "widen"
 
 
 def test_demand_is_the_arrival_rate_times_the_work_of_a_request():
@@ -114,7 +118,7 @@ def test_arrivals_that_outrun_the_target_are_held_or_widened_for():
 def test_no_load_is_claimed_before_the_fit_has_seen_a_spread():
     """Steps of one size from the start leave the fit at b = t / n (every ms on the tokens): a
     load computed from it would call two requests an overload. None until the sizes differ."""
-    from minillm.core.batch_controller import LoadAwareController
+    from minillm.engines.r12_realtime.batch_controller import LoadAwareController
     ctl = LoadAwareController(40.0, 1024, overload="widen")
     for k in range(20):
         ctl.arrived(30.0 * k, at_most=5)         # 5 tokens every 30 ms: a light load
@@ -175,13 +179,15 @@ def test_an_impossible_target_narrows_to_one_and_nobody_starves():
 @pytest.mark.parametrize("extra", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
 @pytest.mark.parametrize("rung12", [dict(policy="slo"),
                                     dict(batch_controller="tpot", tpot_target_ms=50.0)])
-def test_engines_that_bill_no_step_time_refuse_slo_and_tpot_by_name(tiny, extra, rung12):
+def test_engines_that_keep_steps_in_flight_refuse_slo_and_tpot_by_name(tiny, extra, rung12):
     """The pipeline's micro-batches overlap: it has no step time for the scheduler's clock, so
-    'slo' and 'tpot' (which run on it) are refused before any worker starts."""
+    'slo' and 'tpot' (which run on it) are refused before any worker starts: the policy by its
+    own words, the controller's options as options the engine does not take."""
     if tiny.device.type == "cuda":
         pytest.skip("on GPUs, spawned workers are refused first (one process per GPU: torchrun)")
     from minillm.engines import create_engine
-    with pytest.raises(ValueError, match="bills no step time"):
+    with pytest.raises(ValueError, match="keeps several steps in flight|bad option for engine "
+                                         "'(pipeline|tensor)': batch_controller, tpot_target_ms"):
         create_engine("paged", tiny, num_blocks=16, **extra, **rung12)
 
 

@@ -7,7 +7,10 @@ import dataclasses
 import pytest
 
 from minillm.__main__ import build_parser, option_help
-from minillm.core.config import CacheConfig, ModelConfig, SchedulerConfig, options_of
+from minillm.runtime.config import options_of
+from minillm.layers.config import ModelConfig
+from minillm.core.config import CacheConfig, SchedulerConfig
+from minillm.engines.r8_policies.config import PolicyConfig
 from minillm.engines import ENGINES, REGISTRY, all_options, create_engine, resolve
 from minillm.engines.r1_static import StaticConfig
 from minillm.engines.r2_dynamic import DynamicBatchEngine, DynamicConfig
@@ -30,7 +33,7 @@ def test_configs_are_frozen(config):
     (CacheConfig, {"block_size": 0}, "block_size must be an integer >= 1, got 0"),
     (CacheConfig, {"num_blocks": 2.5}, "num_blocks must be an integer, got 2.5"),
     (CacheConfig, {"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False, got 1"),
-    (SchedulerConfig, {"policy": "lifo"}, "unknown policy 'lifo': choose one of fcfs, priority, score"),
+    (PolicyConfig, {"policy": "lifo"}, "unknown policy 'lifo': choose one of fcfs, priority, score"),
     (SchedulerConfig, {"max_num_seqs": -3}, "max_num_seqs must be an integer >= 1, got -3"),
     (ModelConfig, {"attention_backend": "cuda"}, "unknown attention_backend 'cuda'"),
     (StaticConfig, {"batch_size": "8"}, "batch_size must be an integer, got '8'"),
@@ -62,7 +65,8 @@ def test_pool_too_small_for_one_block():
 def test_registry_options_are_the_config_fields_minus_the_fixed_ones(name):
     spec = REGISTRY[name]
     fields = [f.metadata.get("option") or f.name
-              for config in spec.load().configs for f in dataclasses.fields(config)]
+              for config in spec.load().configs + spec.feature_configs()
+              for f in dataclasses.fields(config)]
     assert list(spec.options) == [f for f in fields if f not in spec.fixed]
 
 
@@ -110,7 +114,7 @@ def test_engines_keep_their_configs(tiny):
     engine = create_engine("paged", tiny, block_size=4, num_blocks=8, policy="priority",
                            attention_backend="torch")
     assert engine.cache_config == CacheConfig(block_size=4, num_blocks=8)
-    assert engine.scheduler_config.policy == engine.scheduler.policy.name == "priority"
+    assert engine.scheduler.policy.name == "priority"          # a component, from rung 8's option
     assert engine.block_size == 4 and engine.block_manager.num_blocks == 8
     assert engine.model_config.attention_backend == "torch" and engine.backend.name == "torch"
     dynamic = DynamicBatchEngine(tiny, max_num_seqs=3)

@@ -11,9 +11,9 @@ import torch
 from kvtools import SCALE, PagedKV, decode_lens, dense_attention, rel_err
 from minillm import LLM
 from minillm.engines import get_attention_backend
-from minillm.core.attention import cpp as cpu_attention
-from minillm.core.attention.reference import AttentionMetadata, TorchAttention
-from minillm.core.attention.cpp import CppAttention, cpp_available
+from minillm.layers.attention import cpp as cpu_attention
+from minillm.layers.attention.reference import AttentionMetadata, TorchAttention
+from minillm.layers.attention.cpp import CppAttention, cpp_available
 
 pytestmark = pytest.mark.skipif(not cpp_available(), reason="the C++ kernel cannot be built here: "
                                 f"{cpu_attention.kernel_error()}")

@@ -1,4 +1,4 @@
-"""The one run loop (minillm/core/driver.py): admission, step numbers, the clocks, and the
+"""The one run loop (minillm/runtime/driver.py): admission, step numbers, the clocks, and the
 clean-up when a run fails. The engine counts its own steps (``Engine.step`` is a template)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from minillm import LLM, SamplingParams
-from minillm.core.driver import (Driver, InboxArrivals, ScheduledArrivals, StepClock,
+from minillm.runtime.driver import (Driver, InboxArrivals, ScheduledArrivals, StepClock,
                                     WallClock)
 from minillm.request import FinishReason
 

@@ -1,4 +1,4 @@
-"""The fused layer ops (core/fused.py, csrc/fused_ops.cpp) against the eager reference. For a
+"""The fused layer ops (layers/fused.py, csrc/fused_ops.cpp) against the eager reference. For a
 16-bit model: the same numbers computed in fp32 and rounded once, so within one 16-bit rounding of
 eager torch (which rounds after every op), and exactly what fp32 arithmetic on the inputs gives.
 For an fp32 model: within a few units of fp32's last place of the exact (float64) result."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.core import fused
-from minillm.core.fused import EagerOps, FusedOps, layer_ops, rope_heads
+from minillm.layers import fused
+from minillm.layers.fused import EagerOps, FusedOps, layer_ops, rope_heads
 
 DTYPES = [torch.bfloat16, torch.float16]
 

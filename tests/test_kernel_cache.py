@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from minillm.engines import get_attention_backend
-from minillm.core.attention import cpp as cpu_attention, cpp_build
-from minillm.core.attention.cpp_build import BUILDING, current_inputs, kernel_name
+from minillm.layers.attention import cpp as cpu_attention, cpp_build
+from minillm.layers.attention.cpp_build import BUILDING, current_inputs, kernel_name
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = cpu_attention._SOURCE
@@ -177,7 +177,7 @@ def test_build_killed_mid_compile_then_the_next_engine_builds(tmp_path, monkeypa
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
     where = build_dir(root)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-c", "from minillm.core.attention.cpp "
+    first = subprocess.Popen([sys.executable, "-c", "from minillm.layers.attention.cpp "
                               "import load_kernel; load_kernel()"], env=env, cwd=ROOT,
                              stderr=subprocess.PIPE, text=True)
     err: list[str] = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minillm import LLM
-from minillm.core.attention.reference import TorchAttention
+from minillm.layers.attention.reference import TorchAttention
 from minillm.core.kv_pool import KVPool
 from minillm.core.model import PagedLlama
 from minillm.core.runner import ModelRunner
@@ -76,7 +76,7 @@ def test_blocks_move_between_pools_as_stored(fmt):
     """Rung 11's transfer: ``read_blocks`` of one pool written with ``write_blocks`` into other
     blocks of another pool of the same layout holds the same bytes (scales too) and reads back
     the same rows; a pool of another layout refuses them."""
-    from minillm.core.kv_quant import get_format
+    from minillm.layers.kv_quant import get_format
 
     def make(num_blocks):
         return KVPool(2, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=8,

@@ -1,4 +1,4 @@
-"""Rung 9: a narrower KV slot (core/kv_quant.py). The formats' error bounds, the capacity the
+"""Rung 9: a narrower KV slot (layers/kv_quant.py). The formats' error bounds, the capacity the
 engine really gets from them, and attention on a quantized pool -- the torch reference and the C++
 kernel -- against dequantize-then-attend (the Triton kernels: test_kv_quant_triton.py)."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvtools import HEAD_DIM, NAN, SCALE, PagedKV, decode_lens, rel_err
 from minillm import LLM, SamplingParams, load_model
-from minillm.core.attention.cpp import CppAttention, cpp_available
-from minillm.core.attention.reference import AttentionMetadata, TorchAttention
-from minillm.core.kv_quant import FORMATS, QuantizedPool, dequantize, get_format, quantize
+from minillm.layers.attention.cpp import CppAttention, cpp_available
+from minillm.layers.attention.reference import AttentionMetadata, TorchAttention
+from minillm.layers.kv_quant import FORMATS, QuantizedPool, dequantize, get_format, quantize
 
 NARROW = ("float16", "bfloat16", "int8", "fp8")
 

@@ -32,13 +32,13 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from minillm.core.attention.reference import (  # noqa: E402
+from minillm.layers.attention.reference import (  # noqa: E402
     AttentionMetadata, TorchAttention, paged_attention)
 # Importing TritonAttention calls require_triton(): where the kernels cannot run, collecting this
 # file fails here, saying why (tests/test_triton_optional.py checks that logic).
-from minillm.core.attention.triton import TritonAttention  # noqa: E402
-from minillm.core.attention.triton import kernels  # noqa: E402
-from minillm.core.kv_quant import FORMATS, QuantizedPool, dequantize  # noqa: E402
+from minillm.layers.attention.triton import TritonAttention  # noqa: E402
+from minillm.layers.attention.triton import kernels  # noqa: E402
+from minillm.layers.kv_quant import FORMATS, QuantizedPool, dequantize  # noqa: E402
 
 from kvtools import HEAD_DIM, NAN, SCALE, PagedKV, decode_lens  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The linear-layer kernels (core/linear.py): oneDNN on reordered weights computes what
+"""The linear-layer kernels (layers/linear.py): oneDNN on reordered weights computes what
 ``F.linear`` does, survives pickling (pipeline workers), and where it cannot run the engine falls
 back to torch with one warning and the same tokens."""
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
-from minillm.core import linear as linear_mod
-from minillm.core.config import ModelConfig
-from minillm.core.linear import Linear, OneDNNLinear, TorchLinear, get_linear_kernel, onednn_works
+from minillm.layers import linear as linear_mod
+from minillm.layers.config import ModelConfig
+from minillm.layers.linear import Linear, OneDNNLinear, TorchLinear, get_linear_kernel, onednn_works
 
 needs_onednn = pytest.mark.skipif(not onednn_works(), reason="no oneDNN in this torch build")
 

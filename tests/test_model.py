@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from minillm.core.attention.reference import TorchAttention
+from minillm.layers.attention.reference import TorchAttention
 from minillm.core.block_manager import BlockManager
-from minillm.core.linear import get_linear_kernel, onednn_works
+from minillm.layers.linear import get_linear_kernel, onednn_works
 from minillm.core.runner import ModelRunner
 from minillm.core.sequence import Sequence
 from minillm.models import LoadedModel, ByteTokenizer

@@ -1,4 +1,4 @@
-"""Observers (``core/observe.py``): every view watches the real engine through
+"""Observers (``runtime/observe.py``): every view watches the real engine through
 ``engine.observers``, never through state kept in core objects.
 
 Checked here: the phases of each step arrive in order with the run's step numbers; rung 6's
@@ -19,7 +19,7 @@ import pytest
 
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
-from minillm.core.observe import PHASES, StepEvent
+from minillm.runtime.observe import PHASES, StepEvent
 from minillm.engines.r6_speculative import SpecTrace
 from minillm.lab.checks import check_block_invariants
 from minillm.viz.traces import replay_trace, record_paged_run, trace_from_run

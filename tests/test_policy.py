@@ -16,26 +16,31 @@ from hypothesis import strategies as st
 from minillm import LLM, Request, SamplingParams
 from minillm.checks import FIELD_RANGES
 from minillm.core.block_manager import BlockManager
-from minillm.core.config import SchedulerConfig
-from minillm.core.policy import MAX_SCORE_WEIGHT, FCFS, Priority, Score, get_policy, make_policy
+from minillm.engines import build_components
+from minillm.engines.r8_policies.config import PolicyConfig
+from minillm.core.policy import FCFS
+from minillm.engines.r8_policies.policy import MAX_SCORE_WEIGHT, Priority, Score, get_policy
 from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.core.sequence import Sequence, SequenceGroup
 from minillm.request import RequestError
 
 
+def make_policy(**options):
+    """The policy the registry gives the paged engine for these options (FCFS: none given)."""
+    return build_components(options).get("policy", FCFS())
+
+
 def test_config_fields_are_checked_and_reach_the_policy():
-    cfg = SchedulerConfig(policy="score", score_wait_weight=2, score_remaining_weight=0.5,
-                          score_priority_weight=7, score_margin=1)
-    assert make_policy(cfg) == Score(2.0, 0.5, 7.0, 1.0)
-    assert make_policy(SchedulerConfig(policy="priority", priority_preemption_threshold=3)) \
-        == Priority(3)
-    assert make_policy(SchedulerConfig()) == FCFS()
+    assert make_policy(policy="score", score_wait_weight=2, score_remaining_weight=0.5,
+                       score_priority_weight=7, score_margin=1) == Score(2.0, 0.5, 7.0, 1.0)
+    assert make_policy(policy="priority", priority_preemption_threshold=3) == Priority(3)
+    assert make_policy() == FCFS()
     for field, value, why in [("score_wait_weight", -1.0, ">= 0"),
                               ("score_margin", float("nan"), "finite"),
                               ("score_priority_weight", "high", "must be a number"),
                               ("priority_preemption_threshold", -1, ">= 0")]:
         with pytest.raises(ValueError, match=f"{field}.*{why}|{field} must"):
-            SchedulerConfig(**{field: value})
+            PolicyConfig(**{field: value})
     with pytest.raises(ValueError, match="unknown policy 'lifo'"):
         get_policy("lifo")
     with pytest.raises(ValueError, match="no starvation bound"):
@@ -116,14 +121,14 @@ def test_every_policy_ranks_the_extreme_accepted_requests(policy, a, b):
 def test_score_weights_are_bounded():
     top = dict(score_wait_weight=MAX_SCORE_WEIGHT, score_remaining_weight=MAX_SCORE_WEIGHT,
                score_priority_weight=MAX_SCORE_WEIGHT, score_margin=1e308)
-    policy = make_policy(SchedulerConfig(policy="score", **top))
+    policy = make_policy(policy="score", **top)
     lo, hi = FIELD_RANGES["priority"]
     keys = [policy.key(group_of(p, FIELD_RANGES["max_tokens"][1], 0, 0, 2**63 - 1))
             for p in (lo, hi)]
     assert all(math.isfinite(k[0]) for k in keys) and keys[0] < keys[1]
     for name in ("score_wait_weight", "score_remaining_weight", "score_priority_weight"):
         with pytest.raises(ValueError, match=f"{name} must be <= 1e\\+09, got 10000000000.0"):
-            SchedulerConfig(**{name: 1e10})
+            PolicyConfig(**{name: 1e10})
     with pytest.raises(ValueError, match=r"score: priority_weight must be in \[0, 1e\+09\]"):
         Score(priority_weight=2e9)
     with pytest.raises(ValueError, match="wait_weight must be a finite number, got inf"):

@@ -107,7 +107,7 @@ def test_a_scheduler_that_stops_scheduling_is_an_error_not_a_hang(tiny):
     """A livelock (running requests that never get scheduled: a lab solution that forgets
     _readopt_prompt, say) ends with a RuntimeError after MAX_IDLE_STEPS steps in a row; an empty
     engine stepped for ever (a synthetic timeline's ticks) never raises."""
-    from minillm.core.engine import MAX_IDLE_STEPS
+    from minillm.core.idle import MAX_IDLE_STEPS
     from minillm.core.scheduler import SchedulerOutput
 
     engine = LLM(tiny, engine="paged").engine

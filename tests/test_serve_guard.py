@@ -225,9 +225,9 @@ def test_bad_guard_flags_are_one_line_and_exit_2(monkeypatch, capsys, flags, wor
 def test_a_tpot_target_below_any_step_is_refused_by_the_engine_config():
     """Every entry point (generate, the Python API) refuses it, not only serve's flag check:
     the controller would otherwise hold the batch at one token forever, silently."""
-    from minillm.core.config import MIN_TPOT_TARGET_MS, SchedulerConfig
+    from minillm.engines.r12_realtime.config import MIN_TPOT_TARGET_MS, RealtimeConfig
 
     for value in (1e-300, MIN_TPOT_TARGET_MS / 2):
         with pytest.raises(ValueError, match=rf"tpot_target_ms must be >= 0.1 ms.*{value!r}"):
-            SchedulerConfig(batch_controller="tpot", tpot_target_ms=value)
-    assert SchedulerConfig(tpot_target_ms=MIN_TPOT_TARGET_MS).tpot_target_ms == 0.1
+            RealtimeConfig(batch_controller="tpot", tpot_target_ms=value)
+    assert RealtimeConfig(tpot_target_ms=MIN_TPOT_TARGET_MS).tpot_target_ms == 0.1

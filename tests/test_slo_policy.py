@@ -13,20 +13,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, Request, SamplingParams
-from minillm.core.config import SchedulerConfig
-from minillm.core.policy import SLO, make_policy, parse_slo_classes
+from minillm.engines import build_components
+from minillm.engines.r12_realtime.config import RealtimeConfig
+from minillm.engines.r12_realtime.slo import SLO, parse_slo_classes
 from minillm.engines.r12_realtime.sim import sim_engine, sim_request, simulate
 from minillm.request import RequestError
 
 
 def test_options_and_fields_are_checked():
-    policy = make_policy(SchedulerConfig(policy="slo", slo_ttft_ms=250, slo_tpot_ms=40,
-                                         slo_margin_ms=0))
+    policy = build_components(dict(policy="slo", slo_ttft_ms=250, slo_tpot_ms=40,
+                                         slo_margin_ms=0))["policy"]
     assert policy == SLO(250.0, 40.0, 0.0)
     for name, bad in (("slo_ttft_ms", 0), ("slo_tpot_ms", math.nan), ("slo_margin_ms", -1),
                       ("slo_ttft_ms", "fast"), ("slo_tpot_ms", 1e30)):
         with pytest.raises(ValueError, match=name):
-            SchedulerConfig(policy="slo", **{name: bad})
+            RealtimeConfig(**{name: bad})
     engine = sim_engine("slo")
     for name, bad in (("ttft_slo_ms", -5.0), ("tpot_slo_ms", math.inf), ("ttft_slo_ms", "x")):
         req = Request([1, 2], SamplingParams(max_tokens=2), **{name: bad})
@@ -38,8 +39,8 @@ def test_options_and_fields_are_checked():
 def test_class_objectives_are_checked_and_a_requests_own_win_field_by_field():
     """``slo_classes``: a request of priority P that names no objective gets its class's; one it
     names wins for that field only; other priorities get the defaults."""
-    policy = make_policy(SchedulerConfig(policy="slo", slo_ttft_ms=700, slo_tpot_ms=70,
-                                         slo_classes=" 1:300:50, 0:20000:500"))
+    policy = build_components(dict(policy="slo", slo_ttft_ms=700, slo_tpot_ms=70,
+                                         slo_classes=" 1:300:50, 0:20000:500"))["policy"]
     assert policy.classes == ((1, 300.0, 50.0), (0, 20000.0, 500.0))
     cases = [(1, None, None, (300.0, 50.0)), (0, None, None, (20000.0, 500.0)),
              (1, 900.0, None, (900.0, 50.0)), (0, None, 8.0, (20000.0, 8.0)),
@@ -54,7 +55,7 @@ def test_class_objectives_are_checked_and_a_requests_own_win_field_by_field():
                       ("1:5:inf", "TPOT must be a finite number"),
                       ("2:1:1,2:3:3", "priority 2 is given twice"), (12, "must be a string")):
         with pytest.raises(ValueError, match=f"slo_classes.*{says}|{says}.*"):
-            SchedulerConfig(policy="slo", slo_classes=bad)
+            RealtimeConfig(slo_classes=bad)
 
 
 def test_classes_alone_let_slo_meet_the_deadlines_requests_do_not_name():

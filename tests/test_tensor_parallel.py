@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.core.linear import get_linear_kernel
+from minillm.layers.linear import get_linear_kernel
 from minillm.core.model import PagedLlama
 from minillm.engines.r10_tensor.shard import head_split, shard_layer
 

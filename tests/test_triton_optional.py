@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-import minillm.core.attention.triton as s4
+import minillm.layers.attention.triton as s4
 from minillm.engines import get_attention_backend
 
 CPU = torch.device("cpu")
@@ -25,7 +25,7 @@ WITHOUT_TRITON = r"""
 import importlib, pkgutil, sys
 sys.modules["triton"] = None
 import minillm
-skip = ("minillm.core.attention.triton.backend", "minillm.core.attention.triton.kernels",
+skip = ("minillm.layers.attention.triton.backend", "minillm.layers.attention.triton.kernels",
         "minillm.engines.r13_lora.triton_bgmv")
 names = [m.name for m in pkgutil.walk_packages(minillm.__path__, "minillm.") if m.name not in skip]
 for name in names:
@@ -55,7 +55,7 @@ def test_triton_backend_without_triton_says_what_to_do(no_triton, monkeypatch):
     assert "needs the triton package" in msg and "pip install triton" in msg
     assert "attention_backend='torch'" in msg
     with pytest.raises(ImportError, match="pip install triton"):
-        from minillm.core.attention.triton import TritonAttention  # noqa: F401
+        from minillm.layers.attention.triton import TritonAttention  # noqa: F401
     assert type(get_attention_backend("torch", CPU)).__name__ == "TorchAttention"
 
 

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ..core.driver import Driver, ScheduledArrivals, WallClock
+from ..runtime.driver import Driver, ScheduledArrivals, WallClock
 from ..engines import create_engine
 from ..models import load_model
 from .profile_step import busy_cores

@@ -49,7 +49,7 @@ def split_name(name: str) -> tuple[str, list[str]]:
     its servable engines than ``paged``; ``/option=value`` after either adds an engine option
     (``minillm:disagg/local-prefill-max-tokens=64``). A ValueError for an unknown server, policy,
     engine or option."""
-    from ..core.policy import POLICIES
+    from ..engines.r8_policies.config import POLICIES
     from ..engines import all_options
     from ..serve.cli import servable_engines
 

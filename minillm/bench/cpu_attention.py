@@ -1,13 +1,13 @@
 """Decode attention on the CPU, timed per layer in SmolLM2's shape (``python -m
 minillm.bench.kernels`` on a machine without CUDA; notebook 04): rung 3's torch reference, the C++
-kernel that reads the blocks in place (``core/attention/csrc``), and SDPA on contiguous K/V; with
+kernel that reads the blocks in place (``layers/attention/csrc``), and SDPA on contiguous K/V; with
 the bandwidth reading memory reaches here, which decode attention at large batches is bound by."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..core.attention.reference import TorchAttention
+from ..layers.attention.reference import TorchAttention
 from .paged_kv import contiguous_kv, make_paged
 
 
@@ -20,7 +20,7 @@ def cpu_decode_rows(batches=(1, 16, 64, 128, 256), contexts=(155, 1024), repeats
     layers: then the pool comes from memory, not from the cache a single pool sits in."""
     import time
 
-    from ..core.attention.cpp import CppAttention
+    from ..layers.attention.cpp import CppAttention
 
     heads, kvh, d, bs = 9, 3, 64, 16
     ref, cpp = TorchAttention(), CppAttention()

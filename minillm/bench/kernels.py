@@ -27,8 +27,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..core.attention.triton import triton_available  # sets TRITON_INTERPRET first on CPU
-from ..core.attention.reference import AttentionMetadata, TorchAttention
+from ..layers.attention.triton import triton_available  # sets TRITON_INTERPRET first on CPU
+from ..layers.attention.reference import AttentionMetadata, TorchAttention
 from .cpu_attention import cpu_decode_rows, read_bandwidth_gbps
 from .paged_kv import Paged, contiguous_kv, make_paged
 
@@ -66,7 +66,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # Correctness sweep (the CPU path; also run first on a GPU)
 # ----------------------------------------------------------------------------------------------
 def correctness_sweep(quick: bool, device: str, tol: float = 1e-4) -> bool:
-    from ..core.attention.triton import kernels
+    from ..layers.attention.triton import kernels
 
     torch.manual_seed(0)
     ref, ok = TorchAttention(), True
@@ -135,7 +135,7 @@ def timed(fn) -> float | None:
 
 def bench_case(batch: int, ctx: int, bs: int, copy_bw: float, device: str = "cuda") -> list[dict]:
     """All rows for one (batch, context, block size) configuration."""
-    from ..core.attention.triton import kernels
+    from ..layers.attention.triton import kernels
 
     dtype, elt, scale = torch.float16, 2, HEAD_DIM ** -0.5
     torch.manual_seed(0)

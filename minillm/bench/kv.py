@@ -10,7 +10,7 @@ tokens fit.
 """
 from __future__ import annotations
 
-from ..core.kv_quant import get_format
+from ..layers.kv_quant import get_format
 from .run import run_engine, warmup_items
 
 DTYPES = ("auto", "float16", "bfloat16", "int8", "fp8")

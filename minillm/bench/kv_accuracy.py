@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.attention import get_attention_backend
-from ..core.attention.reference import AttentionMetadata
-from ..core.kv_quant import KV_CACHE_DTYPES, get_format
+from ..layers.attention import get_attention_backend
+from ..layers.attention.reference import AttentionMetadata
+from ..layers.kv_quant import KV_CACHE_DTYPES, get_format
 from ..core.runner import ModelRunner, pad_tables
 
 PASSAGE = Path(__file__).resolve().parents[1] / "data" / "passage.txt"

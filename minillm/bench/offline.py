@@ -69,9 +69,9 @@ def single_stream(model, name: str, items, options: dict, k: int = 4) -> dict:
 # --- the roofline ---------------------------------------------------------------------------------
 def measure_matmul_gflops() -> float:
     """This machine's fp32 matmul peak, measured: the ceiling any engine could reach -- the best
-    of torch's ``@`` (MKL on x86) and the engine's default linear kernel (core/linear.py) on a
+    of torch's ``@`` (MKL on x86) and the engine's default linear kernel (layers/linear.py) on a
     2048^3 product."""
-    from ..core.linear import TorchLinear, get_linear_kernel, matmul_gflops
+    from ..layers.linear import TorchLinear, get_linear_kernel, matmul_gflops
 
     best = get_linear_kernel(None, torch.device("cpu"), torch.float32)
     return max(matmul_gflops(TorchLinear()), matmul_gflops(best))

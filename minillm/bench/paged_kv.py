@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.attention.reference import TorchAttention
+from ..layers.attention.reference import TorchAttention
 
 
 @dataclass

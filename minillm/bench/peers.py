@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import (ContinuousBatchingConfig, GenerationConfig, LogitsProcessor,
                           LogitsProcessorList)
 
-from ..core.driver import RunResult
+from ..runtime.driver import RunResult
 from ..engines.padded import left_pad
 from ..memory import rectangle_counts
 from ..metrics import StepRecord, summarize

@@ -9,7 +9,7 @@ to split the step into components: the linear layers, attention (everything insi
 
 Beside each row, the floor: the same model's linear layers alone on N rows, through the fastest
 linear kernel here (oneDNN on weights reordered once, as ``torch.compile(freezing=True)`` would
-run them; core/linear.py), and how close that chain comes to this CPU's matmul peak in the same
+run them; layers/linear.py), and how close that chain comes to this CPU's matmul peak in the same
 dtype (a large square GEMM through the same kernel). "ratio" = step time / that chain. ``--dtype
 float32,bfloat16`` alternates the model's dtypes row by row (bf16: AMX / AVX512-BF16 units). Speed is a ratio measured
 in one run: the machine is noisy; targets live here and in ``make bench``, never in timed tests.
@@ -27,7 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..core.linear import get_linear_kernel, matmul_gflops
+from ..layers.linear import get_linear_kernel, matmul_gflops
 from ..core.model import PagedLlama
 
 COMPONENTS = ("linear", "attention", "other forward", "logits", "sample", "engine python")

@@ -174,7 +174,7 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     """The benchmark's row for vLLM: a ``RunResult`` of the batched run (throughput; vLLM's
     offline API gives no per-request timings, so TTFT/TPOT come from its single-stream runs and
     sit in ``metrics.extra``)."""
-    from ..core.driver import RunResult
+    from ..runtime.driver import RunResult
     from ..metrics import summarize
     from ..request import FinishReason, RequestOutput
 

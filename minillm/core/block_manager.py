@@ -17,6 +17,8 @@ Blocks are shared, never copied, when contents are the same:
 """
 from __future__ import annotations
 
+import weakref
+
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -305,3 +307,11 @@ class BlockManager:
         """The pool as a grid, one row per physical block (drawn by ``memory.paged_snapshot``)."""
         return paged_snapshot(engine, step, bytes_per_slot, self.block_size, self.ref_counts(),
                               self.cached_blocks(), seqs, self._fill(seqs))
+
+
+def weak_method(method: Callable) -> Callable:
+    """``method``, bound to an engine, for a part the engine owns to call back without keeping
+    the engine alive: a strong reference back is a reference cycle, and the engine's KV pool
+    would then wait for the garbage collector after its last user let it go."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)

@@ -25,7 +25,7 @@ Emit = Callable[..., None]          # ``Observers.emit(phase, request_id, data)`
 class StepCommit:
     """Committing a step, for ``Scheduler`` (which owns these attributes and ``finish``)."""
 
-    bm: KVAllocator
+    allocator: KVAllocator
     groups: dict[str, SequenceGroup]
     eos_ids: set[int]
     max_model_len: int
@@ -41,9 +41,9 @@ class StepCommit:
         and fork the n - 1 other samples of a request whose prompt is now computed."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
+            self.allocator.cache_full_blocks(seq)
             if seq.request.params.n > 1 and seq.num_computed_tokens == seq.num_tokens:
-                self.groups[seq.request.request_id].fork_samples(seq, self.bm)
+                self.groups[seq.request.request_id].fork_samples(seq, self.allocator)
 
     def commit_prompt_logprobs(self, found: list[tuple[Sequence, int, list[TokenLogprobs]]]
                                ) -> None:
@@ -94,13 +94,13 @@ class StepCommit:
         """Verified lookahead: keep the K/V of the newest token and of the guesses kept (all but
         the last kept token, which is the target's own and has no K/V yet), free the rest."""
         seq.spec_token_ids = []
-        self.bm.truncate(seq, seq.num_tokens + len(kept) - 1)
+        self.allocator.truncate(seq, seq.num_tokens + len(kept) - 1)
         self._land(seq, kept[:-1])      # none of them stops it: verify cut after the first stop
-        self.bm.cache_full_blocks(seq)                  # full blocks of kept tokens only
+        self.allocator.cache_full_blocks(seq)                  # full blocks of kept tokens only
 
     def _advance_beams(self, group: SequenceGroup) -> None:
         """One beam-search step (``beam.py``); its continuations land here, like any token."""
-        stepped = beam_step(group, self.bm, self.eos_ids, self.max_model_len, self.select_beams)
+        stepped = beam_step(group, self.allocator, self.eos_ids, self.max_model_len, self.select_beams)
         if stepped is not None:
             choice, continuations = stepped
             self.emit("beam", group.request.request_id, choice)
@@ -126,7 +126,7 @@ class StepCommit:
             group.seqs.remove(seq)
             group.done_seqs.append(seq)
             seq.finish_reason = reason
-            self.bm.free(seq)
+            self.allocator.free(seq)
 
     def finish_group(self, group: SequenceGroup, reason: FinishReason | None = None) -> Request:
         """End a request: free its blocks and record its samples, best first (beams by score,

@@ -1,85 +1,69 @@
 """Rung 3 — the paged engine: block manager + scheduler + our own forward (notebook 03).
 
-One step, data flowing one way: ``Scheduler.schedule`` picks (sequence, tokens) pairs within the
-token budget and reserves their KV slots -> ``ModelRunner.run`` does the copy-on-write copies and
-one forward over all of them -> ``Sampler`` turns the logits of every sequence that reached its
-end into a token (or a beam's log-probabilities) -> ``Scheduler.postprocess`` commits: appends,
-forks, finishes and frees.
+One step, data flowing one way, in the one step loop every paged rung runs (``_step``)::
 
-Two extension points let a later rung add to the step without copying it: ``propose`` (before
-scheduling: guesses for a sequence to compute as extra tokens) and ``verify`` (which of them the
-target keeps). Rung 6 (speculative decoding) is those two methods.
+    launch:  propose -> Scheduler.schedule (tokens within the budget, KV slots reserved)
+             -> executor.submit(execute): copy-on-write copies, one forward over the batch
+    land:    wait -> record the step's time -> commit_computed (K/V counted, samples forked)
+             -> Sampler (a token per sequence that reached its end) -> verify -> postprocess
+
+``executor`` (``core/executor.py``) says where a forward runs and how many steps are in flight:
+inline and one (rung 3), through the ranks (rung 7), on a worker thread one ahead (rung 12).
+``propose``/``verify`` are rung 6's seams (guesses computed as extra tokens, and which to keep).
 """
 from __future__ import annotations
 
 import time
-import weakref
-from typing import Callable, Hashable
+from collections import deque
+from typing import Hashable
 
 import torch
 from torch.profiler import record_function
 
 from ..memory import KVCounts, MemorySnapshot
 from ..request import FinishReason, Request, RequestError
-from .interface import Engine, StepOutput
-from .attention import get_attention_backend
+from ..runtime.interface import Engine, StepOutput
+from ..layers.attention import get_attention_backend
+from ..layers.config import ModelConfig
+from ..layers.fused import layer_ops
+from ..layers.kv_quant import get_format
+from ..layers.linear import get_linear_kernel
 from .beam import select_beams as core_select_beams
-from .block_manager import BlockManager
-from .kv_quant import get_format
-from .config import CacheConfig, ModelConfig, SchedulerConfig
-from .fused import layer_ops
-from .linear import get_linear_kernel
-from .batch_controller import make_controller
-from .policy import make_policy
+from .block_manager import BlockManager, weak_method
+from .config import CacheConfig, SchedulerConfig
+from .executor import Executor, InlineExecutor, LaunchedStep, split_step_time, timed
+from .idle import IdleSteps
+from .budget import BatchController
+from .policy import SchedulingPolicy
 from .runner import ModelRunner
-from .sampler import Sampler
+from .sampler import Sampler, split_lookahead
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
 from .sequence import Sequence
 
-MAX_IDLE_STEPS = 64     # steps in a row that schedule nothing before the engine calls it a livelock
-
-
-
-def weak_method(method: Callable) -> Callable:
-    """``method``, bound to an engine, for a part the engine owns to call back without keeping
-    the engine alive: a strong reference back is a reference cycle, and the engine's KV pool
-    would then wait for the garbage collector after its last user let it go."""
-    ref = weakref.WeakMethod(method)
-    return lambda *args: ref()(*args)
 
 class PagedEngine(Engine):
     name = "paged"
     supports_abort = True
     supports_parallel = True    # n > 1 and beams share blocks
     refuses = frozenset()       # logprobs, prompt logprobs and every sampling control
-    supports_async_scheduling = False   # rung 12's engine overlaps its steps
-    bills_steps = True     # each step's time reaches the scheduler's clock and batch controller
     configs = (CacheConfig, SchedulerConfig, ModelConfig)
 
     def __init__(self, model, *, backend=None, runner=None, sampler=None, block_manager=None,
-                 select_beams=None, step_cost=None, **options):
-        """``options``: the fields of ``configs``, flat (``block_size=16``, ``max_num_seqs=64``,
-        ``attention_backend=None``...); they are kept as ``cache_config``, ``scheduler_config``
-        and ``model_config``. The rest is plumbing: ``backend`` replaces the attention backend
-        ``get_attention_backend`` picks from ``attention_backend`` ("torch", "cpp", "triton"),
-        ``runner``/``sampler`` the model runner and the sampler, ``block_manager`` the KV
-        allocator (the visualizer replays workloads with a runner that computes nothing, under
-        each allocator of ``minillm.engines.r5_allocators``), ``select_beams`` beam search's
-        choice (``core.beam.select_beams``; the replay's repeats a recorded search); by default
-        the real ones are built (the runner by ``make_runner``). ``step_cost(sched) -> ms``
-        bills each step by a cost model instead of the measured forward (notebook 12, the
-        controller's tests: the same run on every machine)."""
+                 select_beams=None, step_cost=None, executor: Executor | None = None,
+                 policy: SchedulingPolicy | None = None, controller: BatchController | None = None,
+                 **options):
+        """``options``: the fields of ``configs``, flat (``block_size=16``...), kept as
+        ``cache_config``, ``scheduler_config``, ``model_config``. The rest replaces a part that
+        is built by default: the attention ``backend``, the ``runner`` (``make_runner``), the
+        ``sampler``, the KV allocator (``block_manager``: the visualizer's replays), beam search's
+        choice (``select_beams``), and ``step_cost(sched) -> ms``, a cost model that times each
+        step instead of the clock (notebook 12: the same run on every machine). The rungs plug
+        in components: the ``executor`` (``core/executor.py``: where forwards run, how many steps
+        in flight), the scheduling ``policy`` (``core/policy.py``) and the batch ``controller``
+        (``core/budget.py``); the registry builds them from the rungs' options."""
         super().__init__(model, **options)
         cache, limits = self.cache_config, self.scheduler_config
-        if limits.async_scheduling and not self.supports_async_scheduling:
-            raise ValueError(f"async_scheduling=True: engine {self.name!r} does not overlap its "
-                             "steps (rung 12's does: engine 'paged' without speculative, "
-                             "pipeline, tensor parallel or disaggregated serving)")
-        if not self.bills_steps and (limits.policy == "slo" or limits.batch_controller != "none"):
-            raise ValueError(f"policy={limits.policy!r}, batch_controller="
-                             f"{limits.batch_controller!r}: engine {self.name!r} bills no step "
-                             "time to the scheduler (its micro-batches overlap), and 'slo' and "
-                             "'tpot' run on that clock: use engine 'paged'")
+        self.executor = executor or InlineExecutor()
         self.step_cost = step_cost
         self.kv_format = get_format(cache.kv_cache_dtype)    # how wide a slot is (rung 9)
         if block_manager is None:
@@ -93,9 +77,9 @@ class PagedEngine(Engine):
         self.block_size = cache.block_size
         self.block_manager = block_manager
         self.scheduler = Scheduler(self.block_manager, limits.max_num_batched_tokens,
-                                   limits.max_num_seqs, make_policy(limits), self.eos_ids,
+                                   limits.max_num_seqs, policy, self.eos_ids,
                                    self.max_model_len, select_beams or core_select_beams,
-                                   self.observers.emit, make_controller(limits))
+                                   self.observers.emit, controller)
         if runner is None:   # every option is checked by now: the KV pool is allocated last
             backend = backend or get_attention_backend(self.model_config.attention_backend,
                                                        model.device, model.dtype)
@@ -103,7 +87,9 @@ class PagedEngine(Engine):
         self.backend = backend   # (None when a runner was given without one)
         self.runner, self.sampler = runner, sampler or Sampler(self.eos_ids)
         self.aborted: list[Request] = []
-        self._idle_run = (-2, 0)       # (step of the latest step that scheduled nothing, in a row)
+        self.deferred_aborts: list[str] = []       # requests in a step in flight, to end after it
+        self.in_flight: deque[LaunchedStep] = deque()
+        self.num_launched, self.idle_steps = 0, IdleSteps()
 
     def make_runner(self, num_blocks: int, block_size: int, backend) -> ModelRunner:
         """The model runner (and with it the KV pool) for a pool of ``num_blocks`` blocks: the
@@ -152,7 +138,7 @@ class PagedEngine(Engine):
         return self.scheduler.groups
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.aborted)
+        return self.scheduler.has_unfinished() or bool(self.aborted or self.in_flight)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -170,43 +156,73 @@ class PagedEngine(Engine):
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request now: its blocks go back to the pool at once; every sample keeps the
-        tokens it has so far."""
+        tokens it has so far. A request in a step in flight ends once that step lands (its
+        blocks are being written): the next ``step()`` reports it, with that step's tokens."""
         group = self.groups.get(request_id)
-        if group is None or group.request.finished:
+        if group is None or group.request.finished or request_id in self.deferred_aborts:
             return False
+        if any(group in step.groups for step in self.in_flight):
+            self.deferred_aborts.append(request_id)
+            return True
         self.aborted.append(self.scheduler.finish_group(group, FinishReason.ABORT))
         return True
 
+    def close(self) -> None:
+        self._drain()
+        self.executor.close()
+        super().close()
+
+    def _drain(self) -> None:    # steps in flight waited for (results dropped): K/V writes end
+        for step in self.in_flight:
+            try:
+                self.wait(step)
+            except Exception:        # the run is failing already; the reset goes on
+                pass
+        self.in_flight.clear()
+
     def reset(self) -> list[Request]:
+        """Drop every request, steps in flight waited for first (``_drain``)."""
+        self._drain()
+        self.deferred_aborts = []
         dropped = [self.scheduler.finish_group(g, FinishReason.ABORT)
                    for g in list(self.groups.values())]
-        dropped += self.aborted
-        self.aborted = []
+        dropped, self.aborted = dropped + self.aborted, []
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         self.block_manager.release_all()   # anything still held was mid-step (a fork, say)
         return dropped
 
-    # --- one step ---------------------------------------------------------------------------------
+    # --- one step: launch, land -------------------------------------------------------------------
     def _step(self) -> StepOutput:
-        """One step in named phases, each a seam a rung overrides rather than copying the step
-        (rung 11's prefill worker: ``schedule_step`` leaves parked requests out, ``execute``
-        stops at the K/V, ``finish_step`` parks what reached its prompt's end)."""
+        """The one step loop (``core/executor.py``): launch steps until ``executor.depth`` are in
+        flight, land the oldest, launch until ``executor.ahead`` are in flight again. Inline
+        (rung 3) that is schedule -> forward -> sample -> commit, once per call."""
         out = self._take_aborted()
-        self.propose()
-        sched = self.schedule_step()
-        if not sched.scheduled:
+        self._launch_until(self.executor.depth)
+        if not self.in_flight:
             return self._idle(out)
-        t = time.perf_counter()
-        result = self.execute(sched)
-        self.bill(out, sched, (time.perf_counter() - t) * 1000.0)
-        self.scheduler.commit_computed(sched)
-        self.finish_step(result, out)
+        self.land(self.in_flight[0], out)      # (popped once landed: a reset waits for it)
+        self.in_flight.popleft()
+        self._apply_deferred_aborts(out)
+        self._launch_until(self.executor.ahead)
         return out
 
-    def schedule_step(self) -> SchedulerOutput:
-        """What this step computes: (sequence, tokens) pairs within the budget."""
+    def _launch_until(self, depth: int) -> None:
+        while len(self.in_flight) < depth:
+            self.propose()
+            sched = self.schedule_step()
+            if not sched.scheduled:
+                return
+            groups = {self.groups[s.request.request_id] for s, _ in sched.scheduled}
+            self.in_flight.append(self.launch(LaunchedStep(sched, groups, index=self.num_launched)))
+            self.num_launched += 1
+
+    def schedule_step(self) -> SchedulerOutput:     # (sequence, tokens) pairs within the budget
         return self.scheduler.schedule()
+
+    def launch(self, step: LaunchedStep) -> LaunchedStep:
+        step.handle = self.executor.submit(timed, self.execute, step.sched)   # inline: computed now
+        return step
 
     def execute(self, sched: SchedulerOutput):
         """The forward pass over ``sched`` (K/V written): the sequences that reached their newest
@@ -217,6 +233,24 @@ class PagedEngine(Engine):
         self.observers.emit("executed", data=(start, time.perf_counter()))
         return result
 
+    def wait(self, step: LaunchedStep) -> tuple:
+        """``step``'s (forward result, ms), kept on it: a step received is never waited for again."""
+        if step.result is None:
+            step.result = self.executor.wait(step.handle)
+        return step.result
+
+    def land(self, step: LaunchedStep, out: StepOutput) -> None:
+        """Finish ``step`` where forwards run: time recorded, K/V counted, tokens committed."""
+        result, forward_ms = self.wait(step)
+        self.executor.call(self._complete_step, step, result, forward_ms, out)
+
+    def _complete_step(self, step: LaunchedStep, result, forward_ms: float,
+                       out: StepOutput) -> None:
+        self.record_step_time(out, step.sched, forward_ms)
+        if not step.committed:
+            self.scheduler.commit_computed(step.sched)
+        self.finish_step(result, out)
+
     def finish_step(self, result, out: StepOutput) -> None:
         """What becomes of ``execute``'s result once its K/V are committed: prompt logprobs (for
         the requests that asked) and tokens."""
@@ -225,30 +259,23 @@ class PagedEngine(Engine):
             self.scheduler.commit_prompt_logprobs(prompt[0])
         self.complete(reached, logits, out)
 
-    def _take_aborted(self) -> StepOutput:
-        """A step's output starts with the requests aborted since the last step."""
+    def _take_aborted(self) -> StepOutput:     # a step's output starts with the aborted ones
         out = StepOutput(finished=self.aborted)
         self.aborted = []
         return out
 
+    def _apply_deferred_aborts(self, out: StepOutput) -> None:
+        """End the requests aborted while a step holding them was in flight, once it landed."""
+        waiting, self.deferred_aborts = self.deferred_aborts, []
+        for request_id in waiting:
+            self.abort(request_id)         # False if it finished in the step that landed
+        out.finished += self.aborted
+        self.aborted = []
+
     def _idle(self, out: StepOutput) -> StepOutput:
         """Nothing was scheduled: fine for a step while requests wait for memory held by running
-        ones (or were just aborted), a bug if the pool is empty and the queue still is not, or if
-        it goes on for ``MAX_IDLE_STEPS`` steps in a row (a livelock: raised, never a hang)."""
-        sched = self.scheduler
-        if not sched.running and sched.waiting and not out.finished:
-            raise RuntimeError("scheduler made no progress with an empty pool (a bug)")
-        step = self.total_steps                  # idle steps count only when in a row
-        stuck = bool(sched.running or sched.waiting) and not out.finished
-        run = self._idle_run[1] + 1 if stuck and self._idle_run[0] == step - 1 else int(stuck)
-        self._idle_run = (step, run)
-        if run >= MAX_IDLE_STEPS:
-            self._idle_run = (-2, 0)
-            raise RuntimeError(
-                f"the scheduler scheduled nothing for {MAX_IDLE_STEPS} steps in a row while "
-                f"{len(sched.running)} requests run and {len(sched.waiting)} wait: no progress "
-                "(does preempt free the blocks? do a preempted request's samples adopt its prompt "
-                "again, _readopt_prompt?)")
+        ones (or were just aborted); a bug when it cannot end (``IdleSteps``: raised)."""
+        self.idle_steps.check(self.scheduler, bool(out.finished), self.total_steps)
         return out
 
     def complete(self, reached: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
@@ -257,17 +284,7 @@ class PagedEngine(Engine):
         guesses to ``verify``, then ``postprocess`` appends, finishes and frees. Observers see
         the pool at its fullest first (phase "computed": every K/V written, nothing committed)."""
         self.observers.emit("computed", data=reached)
-        plain, lookahead, r = [], {}, 0
-        for seq in reached:
-            k = len(seq.spec_token_ids)
-            if k:
-                lookahead[seq] = logits[r:r + k + 1]
-            else:
-                plain.append(r)
-            r += k + 1
-        if lookahead:
-            logits = logits[plain]
-        seqs = [s for s in reached if not s.spec_token_ids]
+        seqs, logits, lookahead = split_lookahead(reached, logits)
         with record_function("minillm::sample"):
             tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(seqs))
         accepted = self.verify(lookahead) if lookahead else None
@@ -289,30 +306,22 @@ class PagedEngine(Engine):
         its 1 + k rows of logits. Only called when ``propose`` guessed (rung 6)."""
         raise NotImplementedError(f"engine {self.name!r} proposes no guesses to verify")
 
-    def bill(self, out: StepOutput, sched: SchedulerOutput, measured_ms: float) -> None:
-        """The step's time (measured, or ``step_cost``'s) into ``out`` and, where steps do not
-        overlap (``bills_steps``), the scheduler's clock and batch controller (rung 12)."""
-        ms = measured_ms if self.step_cost is None else float(self.step_cost(sched))
-        self._account(out, sched, ms)
-        if self.bills_steps:
+    def record_step_time(self, out: StepOutput, sched: SchedulerOutput, forward_ms: float) -> None:
+        """The step's time (its forward's, or ``step_cost``'s) into ``out`` and, where steps run
+        one at a time (``executor.depth`` 1), the scheduler's clock and batch controller."""
+        ms = forward_ms if self.step_cost is None else float(self.step_cost(sched))
+        split_step_time(out, sched, ms)
+        if self.executor.depth == 1:
             self.scheduler.observe_step(sched.num_tokens, ms)
 
-    @staticmethod
-    def _account(out: StepOutput, sched: SchedulerOutput, ms: float) -> None:
-        """A mixed step's forward time is split between prefill and decode by token count; a
-        verification's 1 + k tokens count as decode (they produce output, not a prompt)."""
-        n_all = sched.num_tokens
-        n_dec = sum(n for s, n in sched.scheduled if s.spec_token_ids
-                    or (n == 1 and s.num_computed_tokens >= s.prompt_len))
-        out.prefill_ms, out.decode_ms = ms * (n_all - n_dec) / n_all, ms * n_dec / n_all
-        out.num_prefill_tokens, out.num_decode_tokens = n_all - n_dec, n_dec
-        out.batch_size = len(sched.scheduled)
-
-    # --- what views may ask (core/interface.py) -----------------------------------------------------
+    # --- what views may ask (runtime/interface.py) -----------------------------------------------------
     def describe(self) -> dict:
         return {**super().describe(), "policy": self.scheduler.policy.name,
                 "kv_cache_dtype": self.kv_format.name, "layer_ops": self.runner.net.ops.name,
-                **self.scheduler.controller.describe()}
+                **self.scheduler.controller.describe(), **self.executor.describe()}
+
+    def run_extra(self) -> dict:
+        return {**super().run_extra(), **self.executor.describe()}
 
     def batch_control(self) -> dict | None:
         controller = self.scheduler.controller

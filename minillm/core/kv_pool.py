@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_quant import FORMATS, KVCacheFormat, make_pool, pool_tensors
+from ..layers.kv_quant import FORMATS, KVCacheFormat, make_pool, pool_tensors
 
 
 class KVPool:

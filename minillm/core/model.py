@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .attention.reference import AttentionMetadata, paged_attention
-from .fused import layer_ops, rope_heads
-from .linear import Linear, get_linear_kernel
+from ..layers.attention.reference import AttentionMetadata, paged_attention
+from ..layers.fused import layer_ops, rope_heads
+from ..layers.linear import Linear, get_linear_kernel
 
 
 @dataclass

@@ -15,9 +15,9 @@ from torch.profiler import record_function
 
 from ..logprobs import TokenLogprobs, token_logprobs
 from ..models import LoadedModel
-from .attention.reference import AttentionMetadata
+from ..layers.attention.reference import AttentionMetadata
 from .kv_pool import KVPool
-from .kv_quant import FORMATS, KVCacheFormat
+from ..layers.kv_quant import FORMATS, KVCacheFormat
 from .model import PagedLlama
 from .sequence import Sequence
 
@@ -97,7 +97,7 @@ class ModelRunner:
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  linear_kernel=None, kv_format: KVCacheFormat = FORMATS["auto"], ops=None):
         """``kv_format``: how the pool stores K/V (rung 9's ``kv_cache_dtype``); ``net`` defaults to ``PagedLlama(model.hf_model, linear_kernel)`` (its weights, read
-        once; ``linear_kernel``: see core/linear.py),
+        once; ``linear_kernel``: see layers/linear.py),
         ``layers`` to all of them, ``device`` and ``dtype`` to the model's; without ``model``,
         give all three."""
         if model is None and (net is None or device is None or dtype is None):

@@ -55,3 +55,20 @@ class Sampler:
         beams = [(s, torch.log_softmax(logits[i].float(), dim=-1))
                  for i, s in rows if s.request.params.beam_width > 1]
         return out, beams
+
+
+def split_lookahead(reached: list[Sequence], logits: torch.Tensor
+                    ) -> tuple[list[Sequence], torch.Tensor, dict[Sequence, torch.Tensor]]:
+    """A forward's rows apart: (the sequences to sample, their rows, and the 1 + k rows of each
+    sequence with k guesses, for ``verify``: rung 6)."""
+    plain, lookahead, r = [], {}, 0
+    for seq in reached:
+        k = len(seq.spec_token_ids)
+        if k:
+            lookahead[seq] = logits[r:r + k + 1]
+        else:
+            plain.append(r)
+        r += k + 1
+    if lookahead:
+        logits = logits[plain]
+    return [s for s in reached if not s.spec_token_ids], logits, lookahead

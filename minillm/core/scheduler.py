@@ -10,7 +10,7 @@ It is nothing but a token budget (vLLM v1's design). Each step may compute at mo
 Chunked prefill falls out of the budget: a 2,000-token prompt with a 512-token budget simply
 takes four steps, and decodes ride along in each of them instead of stalling.
 
-The order is the policy's (``core/policy.py``, notebook 08: fcfs, priority, score). When a
+The order is the policy's (``core/policy.py``: FCFS; notebook 08's others plug in). When a
 running sequence needs a block and none is free, the scheduler *preempts* the lowest-ranked
 running request (the newest, under FCFS): frees all its blocks and puts it back at the front of
 the waiting queue, to be recomputed later from its tokens (recompute preemption). A policy may
@@ -33,13 +33,28 @@ from dataclasses import dataclass
 from .allocator import KVAllocator
 from ..checks import check_field
 from ..request import FinishReason, Request, RequestError
-from .batch_controller import BatchController, NoController
 from .beam import select_beams
+from .budget import BatchController, FixedBatch
 from .commit import Emit, SelectBeams, StepCommit
-from .policy import SLO_FIELDS, SchedulingPolicy, check_slo_ms, get_policy
+from .policy import FCFS, SchedulingPolicy
 from .sequence import Sequence, SequenceGroup
 
-Admit = Callable[[SequenceGroup], bool]   # may this waiting group start now? (rung 13: a slot)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What one ``schedule()`` call must respect besides the budget, the seats and the blocks,
+    when a rung asks more of it: ``exclude``, running groups neither scheduled nor preempted (they
+    keep their seats: a step holding them is in flight); ``max_new``, the most waiting groups to
+    admit; ``admit(group)``, whether a waiting group may start now (one it refuses is passed
+    over, and the rule answers for not starving it)."""
+
+    exclude: Collection[SequenceGroup] = ()
+    max_new: int | None = None
+    admit: Callable[[SequenceGroup], bool] | None = None
+
+
+NONE = Constraints()
 
 
 @dataclass
@@ -59,20 +74,24 @@ class Scheduler(StepCommit):
     (``core/commit.py``) commits it (tokens appended, samples forked, finished ones freed). Its
     limits are a ``minillm.core.config.SchedulerConfig``'s, checked there."""
 
-    def __init__(self, block_manager: KVAllocator, max_num_batched_tokens: int = 1024,
-                 max_num_seqs: int = 64, policy: SchedulingPolicy | str = "fcfs",
+    def __init__(self, allocator: KVAllocator, max_num_batched_tokens: int = 1024,
+                 max_num_seqs: int = 64, policy: SchedulingPolicy | None = None,
                  eos_ids: set[int] = frozenset(),
                  max_model_len: int = 1 << 62, select_beams: SelectBeams = select_beams,
                  emit: Emit | None = None, controller: BatchController | None = None):
         """``select_beams`` makes each beam-search choice (the visualizer's replay passes one that
         replays a recorded search); ``emit(phase, request_id, data)`` tells the engine's observers
-        (``core/observe.py``) of each choice made. ``policy``: a ``core.policy`` policy
-        (``make_policy(config)``), or "fcfs"/"priority" with their defaults. ``controller``
-        (rung 12) narrows the step's token budget and seats from measured step times."""
-        self.bm = block_manager
+        (``runtime/observe.py``) of each choice made. The components a rung plugs in: ``policy``
+        (``core/policy.py``; default FCFS) orders and may evict, ``controller``
+        (``core/budget.py``; default the fixed limits) narrows the step's token budget."""
+        if isinstance(policy, str):
+            raise TypeError(f"policy={policy!r}: the scheduler takes a SchedulingPolicy "
+                            "(core/policy.py); a policy's name is an engine option: "
+                            f"create_engine('paged', model, policy={policy!r})")
+        self.allocator = allocator
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.policy = get_policy(policy)
+        self.policy = policy or FCFS()
         self.eos_ids, self.max_model_len = set(eos_ids), max_model_len
         self.groups: dict[str, SequenceGroup] = {}    # request id -> group, until it finishes
         self.select_beams = select_beams
@@ -82,8 +101,8 @@ class Scheduler(StepCommit):
         self.num_preemptions = 0
         self.num_arrived = 0
         self.num_steps = 0                  # schedule() calls: the policy's clock
-        self.controller = controller or NoController()
-        self.now_ms = 0.0                   # the step times told (observe_step): "slo"'s clock
+        self.controller = controller or FixedBatch()
+        self.now_ms = 0.0                   # the step times told (observe_step): deadlines' clock
 
     def rank(self, g: SequenceGroup) -> tuple:
         """Sort key: who goes first, and (reversed) who is preempted first."""
@@ -105,9 +124,6 @@ class Scheduler(StepCommit):
                               self.num_arrived, self.num_steps, self.now_ms)
         try:
             req.priority = check_field("priority", req.priority)
-            for name in SLO_FIELDS:
-                if getattr(req, name) is not None:
-                    setattr(req, name, check_slo_ms(name, getattr(req, name)))
         except ValueError as e:
             raise RequestError(f"{req.request_id}: {e}") from None
         try:
@@ -125,26 +141,21 @@ class Scheduler(StepCommit):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, exclude: Collection[SequenceGroup] = (),
-                 max_new: int | None = None, admit: Admit | None = None) -> SchedulerOutput:
-        """Plan one step. ``exclude``: running groups that must not be touched this call —
-        neither scheduled nor preempted — though they keep their seats against ``max_num_seqs``
-        (rung 7: the requests in flight in the pipeline). ``max_new``: admit at most this many
-        waiting groups (rung 7 shares new requests between micro-batches). ``admit(group)``:
-        whether a waiting group may start now besides memory (rung 13: its adapter got a slot);
-        one it refuses is passed over, and the rule answers for not starving it."""
+    def schedule(self, constraints: Constraints = NONE) -> SchedulerOutput:
+        """Plan one step: running groups in rank order, then (unless one was preempted: memory
+        is tight, let running requests finish) waiting ones, within the budget."""
         out = SchedulerOutput([], [], [])
         budget = self.step_budget()
         self.num_steps += 1
         self.running.sort(key=self.rank)
-        for group in [g for g in self.running if g not in exclude]:
+        for group in [g for g in self.running if g not in constraints.exclude]:
             if group not in self.running:       # preempted while making room for a better one
                 continue
-            budget = self._schedule_running(group, budget, out, exclude)
+            budget = self._schedule_running(group, budget, out, constraints.exclude)
             if budget == 0:
                 break
-        if not out.preempted:                   # memory is tight: let running requests finish
-            budget = self._schedule_waiting(budget, out, max_new, exclude, admit)
+        if not out.preempted:
+            budget = self._schedule_waiting(budget, out, constraints)
         self._trim_lookahead(out)
         return out
 
@@ -164,12 +175,12 @@ class Scheduler(StepCommit):
                 if budget == 0:
                     break
                 continue       # done for now (a beam waiting for its siblings), or waiting to adopt
-            while not self.bm.can_append(seq, num_new):
+            while not self.allocator.can_append(seq, num_new):
                 victim = self._lowest_ranked(exclude)
                 self.preempt(victim, out)
                 if victim is group:
                     return budget
-            out.copies += self.bm.append_slots(seq, num_new)
+            out.copies += self.allocator.append_slots(seq, num_new)
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return budget
@@ -194,26 +205,24 @@ class Scheduler(StepCommit):
         """The running group to preempt first: the last in rank order that may be touched."""
         return next(g for g in reversed(self.running) if g not in exclude)
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput, max_new: int | None = None,
-                          exclude: Collection[SequenceGroup] = (),
-                          admit: Admit | None = None) -> int:
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput, c: Constraints) -> int:
         """Admit waiting groups in rank order while budget, ``max_num_seqs`` and free blocks last
-        (and at most ``max_new`` of them, if given); return the budget left. A group that finds
+        (and at most ``c.max_new`` of them, if given); return the budget left. A group that finds
         no seat, or none of whose tokens fit (``_plan``), may evict a running group the policy
-        ranks below it (``_preempt_for``, never one in ``exclude``) and try again; otherwise
-        nobody overtakes it. One that ``admit`` refuses is skipped (as in vLLM)."""
+        ranks below it (``_preempt_for``, never one in ``c.exclude``) and try again; otherwise
+        nobody overtakes it. One that ``c.admit`` refuses is skipped (as in vLLM)."""
         admitted, at = 0, 0
-        while at < len(self.waiting) and budget > 0 and (max_new is None or admitted < max_new):
+        while at < len(self.waiting) and budget > 0 and (c.max_new is None or admitted < c.max_new):
             group = self.waiting[at]
             if group in out.preempted:          # not re-admitted in the step it was preempted
                 break
-            if admit is not None and not admit(group):
+            if c.admit is not None and not c.admit(group):
                 at += 1
                 continue
             seated = len(self.running) < min(self.max_num_seqs, self.step_budget())
             planned = self._plan(group, budget, out) if seated else []
             if not planned:
-                if not self._preempt_for(group, out, exclude):
+                if not self._preempt_for(group, out, c.exclude):
                     break
                 budget = self.step_budget() - out.num_tokens
                 continue
@@ -230,20 +239,20 @@ class Scheduler(StepCommit):
         the adopted prefix blocks are given back and the plan is empty."""
         leader = group.seqs[0]
         if not leader.block_table:
-            self.bm.allocate_cached_prefix(leader)
+            self.allocator.allocate_cached_prefix(leader)
         self._readopt_prompt(group)
         planned = []
         for seq in group.seqs:
             num_new = self._num_to_compute(group, seq, budget - sum(n for _, n in planned))
             if num_new == 0:
                 continue
-            if not self.bm.can_append(seq, num_new):
+            if not self.allocator.can_append(seq, num_new):
                 break
-            out.copies += self.bm.append_slots(seq, num_new)
+            out.copies += self.allocator.append_slots(seq, num_new)
             planned.append((seq, num_new))
         if not planned:
             for seq in group.seqs:              # undo the prefix-cache adoption; try later
-                self.bm.free(seq)
+                self.allocator.free(seq)
         return planned
 
     def _preempt_for(self, group: SequenceGroup, out: SchedulerOutput,
@@ -268,7 +277,7 @@ class Scheduler(StepCommit):
             return
         for seq in group.seqs[1:]:
             if not seq.block_table:
-                self.bm.share_prompt(leader, seq)
+                self.allocator.share_prompt(leader, seq)
 
     def _num_to_compute(self, group: SequenceGroup, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq`` to compute this step, within ``budget``. While siblings wait to adopt
@@ -301,7 +310,7 @@ class Scheduler(StepCommit):
         dropped = {b for seq in group.seqs for b in seq.block_table}
         out.copies[:] = [(src, dst) for src, dst in out.copies if dst not in dropped]
         for seq in group.seqs:
-            self.bm.free(seq)
+            self.allocator.free(seq)
             seq.pending_logprobs = None         # a beam's logits are recomputed with its KV
         group.request.num_preemptions += 1
         self.num_preemptions += 1
@@ -311,35 +320,13 @@ class Scheduler(StepCommit):
         at = bisect.bisect_left(self.waiting, self.rank(group), key=self.rank)
         self.waiting.insert(at, group)
 
-    def make_room_for_head(self) -> None:
-        """Free the blocks waiting groups hold behind the queue's head, lowest-ranked first,
-        until the head's uncomputed tokens fit; those groups recompute them when admitted. Only
-        a rung that lands KV into waiting groups needs it (rung 11's ``_idle``): here a waiting
-        group holds no blocks but the prefix it adopts while being admitted."""
-        head = self.waiting[0].seqs[0]
-        for group in reversed(self.waiting[1:]):
-            if self.bm.blocks_needed(head, head.num_uncomputed) <= self.bm.num_free_blocks:
-                return
-            for seq in group.seqs:
-                if seq.block_table:
-                    self.bm.free(seq)
-
-    @staticmethod
-    def end_unadmitted(req: Request, reason: FinishReason) -> Request:
-        """End a request this scheduler never admitted (rung 11: one still on the prefill
-        worker, or its blocks on the way) as ``finish_group`` ends one: its one sample, with
-        whatever tokens it has."""
-        req.set_final([(list(req.output_token_ids), reason)])
-        req.finish(reason)
-        return req
-
     def finish(self, group: SequenceGroup) -> None:
         seqs = group.seqs + group.done_seqs       # its work: the prompt, every sample's output
         self.controller.finished(group.request.prompt_len + sum(len(s.output_token_ids)
                                                                 for s in seqs))  # (rung 12)
         for seq in seqs:
             if seq.block_table:
-                self.bm.free(seq)
+                self.allocator.free(seq)
         if group in self.running:
             self.running.remove(group)
         elif group in self.waiting:

@@ -1,13 +1,14 @@
-"""The ladder: one module per rung, all behind the ``Engine`` interface of ``base.py``.
+"""The ladder: one module per rung, all behind the ``Engine`` interface of ``runtime/``.
 
 ``REGISTRY`` is the one list of engines: name -> class, the options it takes (the fields of the
-config dataclasses the class declares in ``configs``, ``minillm/core/config.py``: no list of
-options is kept by hand anywhere), where a name leads with some options (``upgrades``: ``paged``
-with ``speculative=`` is rung 6, with ``pipeline_parallel_size`` rung 7, with
-``tensor_parallel_size`` rung 10, with ``enable_lora`` rung 13; ``disagg``, rung 11, has a name
-of its own) and what it can do
-(abort, n > 1 and beam search: class attributes of the engine). The CLI, the benchmark, the
-server and ``LLM`` all go through it.
+config dataclasses the class declares in ``configs``: no list of options is kept by hand
+anywhere), where a name leads with some options (``upgrades``: ``paged`` with ``speculative=`` is
+rung 6, with ``pipeline_parallel_size`` rung 7, with ``tensor_parallel_size`` rung 10, with
+``enable_lora`` rung 13; ``disagg``, rung 11, has a name of its own), the rungs' configs that
+plug a component into it (``features``: rung 12's ``async_scheduling`` is an executor, on
+``paged`` and rung 6 alike; an engine without the feature refuses the option by name) and what
+it can do (abort, n > 1 and beam search: class attributes of the engine). The CLI, the
+benchmark, the server and ``LLM`` all go through it.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..core.attention import get_attention_backend
-from ..core.config import Option, option_value, options_of
-from ..core.driver import RunResult
-from ..core.interface import Engine, StepOutput
+from ..layers.attention import get_attention_backend
+from ..runtime.config import Option, build_configs, config_attr, option_value, options_of
+from ..runtime.driver import RunResult
+from ..runtime.interface import Engine, StepOutput
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,44 @@ class EngineSpec:
     upgrades: dict[str, str | dict[str, str]] = field(default_factory=dict)
     worker: str | None = None         # "module:function" ranks 1.. run under torchrun
     servable: bool = False            # ``python -m minillm serve`` offers it
+    # "module:Config" of the rungs' configs that plug a component into this engine: each has
+    # ``components() -> {keyword: component}`` (rung 12's AsyncConfig: executor=ThreadExecutor())
+    features: tuple[str, ...] = ()
 
     def load(self) -> type[Engine]:
         return getattr(importlib.import_module(self.module), self.cls)
 
+    def feature_configs(self) -> tuple[type, ...]:
+        return tuple(getattr(importlib.import_module(m), c)
+                     for m, c in (f.split(":") for f in self.features))
+
     @property
     def fields(self) -> dict[str, Option]:
-        """Every field of the engine's configs, as an option (``fixed`` ones included)."""
-        return {k: o for config in self.load().configs for k, o in options_of(config).items()}
+        """Every field of the engine's configs and its features', as an option (``fixed`` ones
+        included)."""
+        configs = self.load().configs + self.feature_configs()
+        return {k: o for config in configs for k, o in options_of(config).items()}
+
+    def components(self, options: dict) -> dict:
+        """What this engine's features build from ``options``: each feature config's
+        ``components(configs)``, which sees every config of the engine by attribute name."""
+        cls, features = self.load(), self.feature_configs()
+        known = {k: v for k, v in options.items() if k in self.fields}
+        made = build_configs(cls.configs + features, known, self.name)
+        configs = {"engine": self.name, **{config_attr(type(c)): c for c in made}}
+        out: dict = {}
+        for config in made[len(cls.configs):]:
+            out.update(config.components(configs))
+        return out
+
+    def engine_kwargs(self, options: dict) -> dict:
+        """The keyword arguments of this engine's class for ``options``: its own options, and
+        for its features' options the components they build."""
+        mine = {k for config in self.feature_configs() for k in options_of(config)}
+        return {**{k: v for k, v in options.items() if k not in mine}, **self.components(options)}
+
+    def build(self, model, options: dict) -> Engine:
+        return self.load()(model, **self.engine_kwargs(options))
 
     @property
     def options(self) -> dict[str, Option]:
@@ -65,7 +96,23 @@ class EngineSpec:
         return getattr(importlib.import_module(module), function)
 
 
+def build_components(options: dict, name: str = "paged") -> dict:
+    """The components engine ``name``'s features build from ``options`` (``policy="score"``...)."""
+    return REGISTRY[name].components(options)
+
+
+def engine_kwargs(options: dict, name: str = "paged") -> dict:
+    """``options`` as the keyword arguments of engine ``name``'s class, the features' options
+    built into components: for code that makes a ``PagedEngine`` itself, with parts of its own
+    (the visualizer's replays, rung 12's simulator, the graders)."""
+    return REGISTRY[name].engine_kwargs(options)
+
+
 _SPEC = "minillm.engines.r6_speculative.engine"
+_POLICY = "minillm.engines.r8_policies.config:PolicyConfig"
+_REALTIME = "minillm.engines.r12_realtime.config:RealtimeConfig"
+_ASYNC = "minillm.engines.r12_realtime.config:AsyncConfig"
+_PAGED = (_POLICY, _REALTIME, _ASYNC)    # what the paged engine takes, and rung 6 on it
 REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("naive-nocache", 0, "minillm.engines.r0_naive", "NaiveEngine", {"use_cache": False}),
     EngineSpec("naive", 0, "minillm.engines.r0_naive", "NaiveEngine", {"use_cache": True}),
@@ -74,26 +121,24 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine", servable=True, upgrades={
         "speculative": {"ngram": "paged+ngram", "draft": "paged+draft"},
         "tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline",
-        "async_scheduling": {True: "paged-async", False: "paged"},
-        "enable_lora": {True: "paged+lora"}}),
+        "enable_lora": {True: "paged+lora"}}, features=_PAGED),
     EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"},
-               upgrades={"async_scheduling": {True: "paged+ngram-async", False: "paged+ngram"}}),
+               features=_PAGED),
     EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"},
-               upgrades={"async_scheduling": {True: "paged+draft-async", False: "paged+draft"}}),
+               features=_PAGED),
     EngineSpec("pipeline", 7, "minillm.engines.r7_pipeline.engine", "PipelineEngine",
-               upgrades={"tensor_parallel_size": "tensor"},
+               upgrades={"tensor_parallel_size": "tensor"}, features=(_POLICY,),
                worker="minillm.engines.r7_pipeline.launcher:torchrun_worker"),
     EngineSpec("tensor", 10, "minillm.engines.r10_tensor.engine", "TensorParallelEngine",
-               worker="minillm.engines.r10_tensor.engine:torchrun_worker"),
-    EngineSpec("disagg", 11, "minillm.engines.r11_disagg.engine", "DisaggEngine", servable=True),
-    EngineSpec("paged-async", 12, "minillm.engines.r12_realtime.engine", "AsyncEngine",
-               {"async_scheduling": True}, servable=True),
-    EngineSpec("paged+ngram-async", 12, "minillm.engines.r12_realtime.engine",
-               "AsyncSpeculativeEngine", {"speculative": "ngram", "async_scheduling": True}),
-    EngineSpec("paged+draft-async", 12, "minillm.engines.r12_realtime.engine",
-               "AsyncSpeculativeEngine", {"speculative": "draft", "async_scheduling": True}),
+               features=(_POLICY,), worker="minillm.engines.r10_tensor.engine:torchrun_worker"),
+    EngineSpec("disagg", 11, "minillm.engines.r11_disagg.engine", "DisaggEngine", servable=True,
+               features=(_POLICY, _REALTIME)),
+    # rung 12's name for the paged engine with the overlapping executor (as naive-nocache is naive
+    # without a cache): the same class, the option fixed
+    EngineSpec("paged-async", 12, "minillm.core.engine", "PagedEngine", {"async_scheduling": True},
+               servable=True, features=_PAGED),
     EngineSpec("paged+lora", 13, "minillm.engines.r13_lora.engine", "LoRAEngine",
-               {"enable_lora": True}, servable=True),
+               {"enable_lora": True}, servable=True, features=(_POLICY, _REALTIME)),
 )}
 ENGINES = tuple(REGISTRY)
 
@@ -133,7 +178,7 @@ def create_engine(name: str, model, **options) -> Engine:
     if unknown:
         raise ValueError(f"bad option for engine {spec.name!r}: {', '.join(unknown)} (it takes "
                          f"{', '.join(allowed) or 'no options'})")
-    return spec.load()(model, **fixed, **options)
+    return spec.build(model, {**fixed, **options})
 
 
 def all_options() -> dict[str, Option]:
@@ -162,5 +207,5 @@ def options_for(name: str, options: dict) -> dict:
 
 
 __all__ = ["ENGINES", "REGISTRY", "Engine", "EngineSpec", "RunResult", "StepOutput",
-           "all_options", "create_engine", "get_attention_backend", "options_for", "options_from",
-           "resolve"]
+           "all_options", "build_components", "create_engine", "engine_kwargs",
+           "get_attention_backend", "options_for", "options_from", "resolve"]

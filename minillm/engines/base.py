@@ -1,8 +1,8 @@
 """Rungs 0-2's engines keep each request's KV in one contiguous row of a rectangle: what they
-share beyond the core's ``Engine`` interface (``core/interface.py``)."""
+share beyond the core's ``Engine`` interface (``runtime/interface.py``)."""
 from __future__ import annotations
 
-from ..core.interface import Engine
+from ..runtime.interface import Engine
 from ..memory import KVCounts, MemorySnapshot, rectangle_counts, rectangle_snapshot
 
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
-from ..core.interface import StepOutput, timed_ms
+from ..runtime.interface import StepOutput, timed_ms
 from .base import ContiguousEngine
 
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from transformers import StaticCache
 
-from ..core.config import option, set_checked
+from ..runtime.config import option, set_checked
 from ..request import FinishReason, Request
 from ..sampling import sample_next_tokens
-from ..core.interface import StepOutput, timed_ms
+from ..runtime.interface import StepOutput, timed_ms
 from .base import ContiguousEngine
 from .padded import hf_forward, left_pad
 

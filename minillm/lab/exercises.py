@@ -66,7 +66,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "may evict a running one if the policy lets it (self._preempt_for): then try again. "
              "One that admit(group) refuses is passed over, not waited for."),
     Exercise("04", "Paged attention: write K/V into slots, read them back through block tables",
-             "minillm.core.attention.reference",
+             "minillm.layers.attention.reference",
              ("TorchAttention.write_kv", "TorchAttention.gather", "TorchAttention.decode"),
              "04_triton_kernels", 30,
              "Token i of a sequence lives in block block_table[i // block_size] at offset "
@@ -80,7 +80,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "d with probability min(1, p(d) / q(d)); on the first rejection draw from "
              "max(0, p - q) renormalized, and stop."),
     Exercise("08", "Scheduling policies: who goes first, and who may evict whom",
-             "minillm.core.policy",
+             "minillm.engines.r8_policies.policy",
              ("Priority.key", "Priority.preempts", "remaining_tokens", "Score.score",
               "Score.preempts"), "08_scheduling_policies", 35,
              "Priority: lower priority value first, ties by arrival_index; a waiting candidate "
@@ -90,7 +90,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "max_tokens minus what the furthest sample generated; evict only if the victim's "
              "score exceeds the candidate's by more than the margin."),
     Exercise("09", "A quantized KV cache: quantize on write, widen on read",
-             "minillm.core.kv_quant",
+             "minillm.layers.kv_quant",
              ("quantize", "dequantize", "QuantizedPool.index_copy_",
               "QuantizedPool.index_select", "QuantizedPool.__getitem__"), "09_quantized_kv", 30,
              "One fp32 scale per row (token and KV head): max|x| / fmt.qmax, 1 for an all-zero "
@@ -120,7 +120,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "tensor's dtype; land = allocate_loaded, write_blocks, cache_full_blocks, or None "
              "with nothing allocated when the pool has no room."),
     Exercise("12", "The adaptive batch: a controller that holds a TPOT target",
-             "minillm.core.batch_controller",
+             "minillm.engines.r12_realtime.batch_controller",
              ("TPOTController.observe", "TPOTController._fit", "TPOTController._cap"),
              "12_realtime_scheduling", 35,
              "Fold each step into exponentially weighted moments E[n], E[t], E[n²], E[nt] (weight "
@@ -132,18 +132,18 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "Narrow at once; widen only by more than max(1, cap // 50) tokens; return a "
              "BatchDecision exactly when the cap moved (a step of no tokens, or a time that is "
              "negative or not finite, is ignored)."),
-    Exercise("12-async", "The overlapped step: land step N before planning step N + 1",
+    Exercise("12-async", "The overlapped step: the forward on a worker thread, one step ahead",
              "minillm.engines.r12_realtime.engine",
-             ("AsyncEngine._step", "AsyncEngine._land", "AsyncEngine.abort",
-              "AsyncEngine._apply_deferred_aborts"),
+             ("ThreadExecutor.submit", "ThreadExecutor.wait", "ThreadExecutor.call"),
              "12_realtime_scheduling", 30,
-             "A step: out = self._take_aborted(); land the forward in flight, if any (join its "
-             "future, add it to self.overlap, bill it, commit_computed, finish_step, in_flight "
-             "back to None); apply the aborts deferred meanwhile; only then schedule the next "
-             "step on that committed state and _launch it (nothing scheduled and nothing landed: "
-             "return self._idle(out)). An abort while a forward is in flight only notes the id "
-             "(once; False for an unknown or finished request): the request's blocks are being "
-             "written. Once its step has landed, end it and report it in out.finished."),
+             "The core's loop (PagedEngine._step) lands the step in flight, then launches the "
+             "next one ahead; your executor runs its forward. submit(fn, *args): let the caller's "
+             "idle OpenMP threads go (release_idle_openmp_threads), then run fn on self.worker "
+             "with the caller's torch thread count (_on_worker) and return the Future at once. "
+             "wait(future): its (result, forward ms); add the forward to self.overlap (steps, "
+             "forward_ms, and the ms this call blocked as waited_ms). call(fn, *args): run fn on "
+             "the worker too and return its result (one OpenMP team); on Ctrl-C let it end "
+             "first, then re-raise."),
 ]}
 
 

@@ -30,7 +30,7 @@ def smollm2_kv_bytes_per_token(kv_cache_dtype: str = "auto") -> int:
     stores it: the engine's own ``KVCacheFormat``)."""
     import torch
 
-    from ..core.kv_quant import get_format
+    from ..layers.kv_quant import get_format
     return get_format(kv_cache_dtype).bytes_per_token(*smollm2_kv_geometry(), torch.float32)
 
 
@@ -142,7 +142,7 @@ def blocks_returned_after_rejection(computed: int = 30, guesses: int = 8, accept
 def overtake_horizon_by_definition(max_tokens: int = 128, priority: int = 1) -> int:
     """``score_overtake_horizon`` from ``Score``'s default weights and the bound's formula (a
     request that has generated nothing has ``max_tokens`` remaining)."""
-    from ..core.policy import Score
+    from ..engines.r8_policies.policy import Score
 
     w = Score()
     head = w.priority_weight * priority + w.remaining_weight * max_tokens + w.margin
@@ -154,11 +154,11 @@ def score_overtake_horizon(max_tokens: int = 128, priority: int = 1) -> int:
     later priority-0 request can still rank ahead of it under ``score``'s default weights,
     computed by the policy's own ``overtake_horizon``."""
     from ..core.block_manager import BlockManager
-    from ..core.policy import Score
+    from ..engines.r8_policies.policy import Score
     from ..core.scheduler import Scheduler
     from ..request import Request, SamplingParams
 
-    sched = Scheduler(BlockManager(8, 16), policy="score")
+    sched = Scheduler(BlockManager(8, 16), policy=Score())
     group = sched.add(Request([1], SamplingParams(max_tokens=max_tokens), priority=priority))
     return Score().overtake_horizon(group, min_priority=0)
 

@@ -98,7 +98,7 @@ def check_args(args: argparse.Namespace) -> str | None:
                 f"{grammar_s!r}")
     if args.max_connections < 1:
         return f"--max-connections must be >= 1, got {args.max_connections}"
-    from ..core.config import MIN_TPOT_TARGET_MS
+    from ..engines.r12_realtime.config import MIN_TPOT_TARGET_MS
     target = getattr(args, "tpot_target_ms", None)
     if target is not None and not target >= MIN_TPOT_TARGET_MS:    # NaN too
         return (f"--tpot-target-ms must be >= {MIN_TPOT_TARGET_MS:g} ms (no engine step is "

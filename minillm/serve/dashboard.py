@@ -7,11 +7,14 @@ engine's own ``MemorySnapshot`` (``minillm/memory.py``, the picture every notebo
 into JSON: nothing here recomputes what the engine already reports.
 
 Frames are built on the engine loop thread right after a step (the only moment the engine's state
-is consistent), at most ``FRAME_INTERVAL_S`` apart and only while someone watches; the SSE
-handlers just send the newest frame. A page that connects first gets a frame built after it came
-(never an older one: the engine may have run for hours since nobody watched). The header's
-counts are the lengths of the lists the page shows: the waiting list holds every request not yet
-running, those the engine loop has accepted but not yet handed to the engine included.
+is consistent), at most ``FRAME_INTERVAL_S`` apart and only while someone watches, from the
+record the loop builds for each (``EngineLoop.refresh_stats(detail=True)``: an ``EngineStats``
+with the pool's picture and the requests in flight, ``runtime/stats.py``): nothing here reads the
+engine itself. The SSE handlers just send the newest frame. A page that connects first gets a
+frame built after it came (never an older one: the engine may have run for hours since nobody
+watched). The header's counts are the lengths of the lists the page shows: the waiting list holds
+every request not yet running, those the engine loop has accepted but not yet handed to the
+engine included.
 
 A frame holds the newest tokens of every request as text: with ``serve --api-key`` only key
 holders get the page and its events (``guard.RequireKey``); without a key, anyone who can reach
@@ -30,6 +33,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from ..memory import MemorySnapshot
+from ..runtime.stats import EngineDetail, RequestStats
 from .loop import EngineLoop
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
@@ -64,32 +68,36 @@ class Dashboard:
                 self.points.append((round(now - self.t0, 3), round(ttft * 1e3, 2),
                                     None if tpot is None else round(tpot * 1e3, 2),
                                     req.priority))
-        idle = not loop.engine.has_unfinished()
+        idle = not loop.stats.has_unfinished      # the record the loop built after this step
         if self.watchers and (idle or now - self.last_build >= FRAME_INTERVAL_S):
             self.build(now)
 
     def build(self, now: float) -> None:
-        """The frame after the latest step (loop thread only, or before the loop starts)."""
-        loop, eng = self.loop, self.loop.engine
-        about = eng.describe()
+        """The frame after the latest step (loop thread only, or before the loop starts), from a
+        detailed record the loop builds for it."""
+        loop = self.loop
+        stats = loop.refresh_stats(detail=True)
+        view = stats.detail
         self.tokens.append((now, loop.metrics.generation_tokens))
         (t_a, n_a), (t_b, n_b) = self.tokens[0], self.tokens[-1]
-        running, waiting = [self.row(r) for r in self.requests(running=True)], self.waiting()
+        running = [self.row(r) for r in self.requests(view, running=True)]
+        waiting = self.waiting(view)
         frame = {
-            "step": loop.step_count, "time_s": round(now - self.t0, 3),
-            "engine": eng.name, "model": eng.model.name,
-            "policy": about.get("policy"), "kv_cache_dtype": about.get("kv_cache_dtype"),
+            "step": stats.step, "time_s": round(now - self.t0, 3),
+            "engine": view.engine_name, "model": view.model_name,
+            "policy": view.about.get("policy"),
+            "kv_cache_dtype": view.about.get("kv_cache_dtype"),
             "running": running, "waiting": waiting,
-            "kv": kv_json(eng.snapshot()),
+            "kv": kv_json(view.snapshot),
             "points": list(self.points),
             "stats": {"num_running": len(running), "num_waiting": len(waiting),
-                      "finished": self.num_finished, "preemptions": eng.num_preemptions,
+                      "finished": self.num_finished, "preemptions": stats.num_preemptions,
                       "output_tok_s": round((n_b - n_a) / (t_b - t_a), 1) if t_b > t_a else 0.0},
         }
-        if (control := eng.batch_control()) is not None:      # rung 12: the adaptive batch
+        if (control := stats.batch_control) is not None:    # rung 12: the adaptive batch
             frame["controller"] = {k: control.get(k) for k in CONTROLLER_KEYS}
-        if eng.has_prefill_pool:                               # rung 11: the other pool
-            picture = eng.prefill_snapshot()
+        if view.has_prefill_pool:                            # rung 11: the other pool
+            picture = view.prefill_snapshot
             frame["kv_prefill"] = None if picture is None else kv_json(picture)
         if (moved := loop.metrics.transfers) is not None:
             seconds, nbytes = moved
@@ -99,32 +107,33 @@ class Dashboard:
         self.last_build = now
         self.version += 1
 
-    def waiting(self) -> list[dict]:
+    def waiting(self, view: EngineDetail) -> list[dict]:
         """The waiting queue, then the requests on their way into it, with their stage: with the
         disagg engine those still on their way to the decode pool (prefilling, prefilled, in
         transfer), and those the loop accepted that join the engine at its next step
         (arriving)."""
-        rows = [self.row(r, text=False) for r in self.requests(running=False)]
-        stages = {**self.loop.engine.stages(), "arriving": self.loop.arriving()}
+        rows = [self.row(r, text=False) for r in self.requests(view, running=False)]
+        stages = {**view.stages, "arriving": [RequestStats.of(r) for r in self.loop.arriving()]}
         rows += [{**self.row(r, text=False), "stage": stage}
                  for stage, reqs in stages.items() for r in reqs]
         return rows
 
-    def requests(self, running: bool) -> list:
-        lists = self.loop.engine.requests_in_flight()
-        if lists is not None:
-            return lists[0] if running else lists[1]
-        started = [h.request for h in self.loop.handles.values()]
+    def requests(self, view: EngineDetail, running: bool) -> list[RequestStats]:
+        """The record's running or waiting requests; for an engine that keeps no such lists, the
+        loop's requests in the engine, running once they have a token."""
+        if view.running is not None:
+            return list(view.running if running else view.waiting)
+        started = [RequestStats.of(h.request) for h in self.loop.handles.values()]
         return [r for r in started if bool(r.output_token_ids) == running]
 
-    def row(self, req, text: bool = True) -> dict:
-        live = self.loop.engine.live_tokens(req.request_id)    # n > 1: the first sample
-        out = live if live is not None else req.output_token_ids
+    def row(self, req: RequestStats, text: bool = True) -> dict:
+        out = req.output_token_ids                  # n > 1: the first sample's
         row = {"id": req.request_id, "prompt_len": req.prompt_len, "tokens": len(out),
-               "max_tokens": req.params.max_tokens, "n": req.params.n,
+               "max_tokens": req.max_tokens, "n": req.n,
                "preemptions": req.num_preemptions, "priority": req.priority}
         if text:
-            row["text"] = self.tokenizer.decode(out[-TAIL_TOKENS:], skip_special_tokens=True)
+            row["text"] = self.tokenizer.decode(list(out[-TAIL_TOKENS:]),
+                                                skip_special_tokens=True)
         return row
 
 
@@ -148,7 +157,7 @@ def kv_json(snap: MemorySnapshot) -> dict:
 
 def add_dashboard(app: FastAPI, loop: EngineLoop, llm) -> Dashboard:
     board = Dashboard(loop, llm.tokenizer)
-    board.build(time.perf_counter())   # the loop has not started: the engine is ours to read
+    board.build(time.perf_counter())   # the loop has not started: its record is built here
     app.state.dashboard = board
 
     @app.get("/dashboard")

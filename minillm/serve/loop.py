@@ -15,6 +15,11 @@ frees the request's KV blocks at once (``PagedEngine.abort``); at most ``max_wai
 for the engine (``submit`` raises ``QueueFull`` beyond that: the server answers 429, it never
 queues without bound); an exception in a step fails the requests in flight with its message, resets
 the engine (pool back to full) and the loop goes on serving.
+
+Stats flow one way: the loop thread builds an ``EngineStats`` (``Engine.stats``,
+``runtime/stats.py``) when it starts, after each step and after a failure, and swaps it into
+``self.stats``; ``/metrics``, the dashboard and admission control read that record (and the
+loop's own counters), never the engine.
 """
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..core.interface import Engine, StepOutput
-from ..core.driver import Driver, InboxArrivals, WallClock
+from ..runtime.interface import Engine, StepOutput
+from ..runtime.driver import Driver, InboxArrivals, WallClock
+from ..runtime.stats import EngineStats
+from ..memory import KVCounts
 from ..metrics import StepRecord
 from ..request import Request, RequestError, RequestOutput
 from .metrics import ServerMetrics
@@ -94,10 +101,12 @@ class EngineLoop:
         self.num_engine_errors = 0
         self.engine_step_s = 0.0                 # seconds inside engine.step()
         self.overhead_s = 0.0                    # seconds of the loop's own work after steps
-        self.kv = engine.kv_counts()             # after the latest step (for /metrics)
         self._inbox: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()            # guards _arriving (handlers vs. the loop)
+        self._lock = threading.Lock()            # guards _arriving, _entered and stats together
         self._arriving: dict[int, Handle] = {}   # submitted, not yet in the engine: id(request)
+        self._entered = 0                        # handed to the engine since the latest record
+        # the engine's latest record (built on the loop thread; readers take the reference)
+        self.stats: EngineStats = engine.stats()
         self._stop = threading.Event()
         self._clock = WallClock()                # arrival times: seconds since the loop was made
         self._driver = Driver(engine, self._clock, InboxArrivals(self._inbox, self._apply),
@@ -108,8 +117,13 @@ class EngineLoop:
 
     @property
     def step_count(self) -> int:
-        """Steps the engine ran (it counts them itself)."""
-        return self.engine.total_steps
+        """Steps the engine ran (it counts them itself), as of the latest record."""
+        return self.stats.step
+
+    @property
+    def kv(self) -> KVCounts:
+        """KV slots by kind, as of the latest record."""
+        return self.stats.kv
 
     # --- the handlers' side (any thread; ``submit`` on the event loop) ---------------------------
     def start(self) -> "EngineLoop":
@@ -133,7 +147,7 @@ class EngineLoop:
         with self._lock:   # the loop's shutdown takes this lock too: no request is left behind
             if self._stop.is_set():
                 raise ShuttingDown("the server is shutting down")
-            waiting = len(self._arriving) + self.engine.num_waiting()
+            waiting = self._waiting()
             if waiting >= self.max_waiting:
                 self.metrics.rejected += 1
                 raise QueueFull(f"{waiting} requests are already waiting (max_waiting="
@@ -153,8 +167,22 @@ class EngineLoop:
         """Run ``fn()`` on the loop thread between two steps (to read the engine safely)."""
         self._inbox.put(("call", fn))
 
+    def _waiting(self) -> int:
+        """Under ``_lock``: the arrivals, those handed to the engine since the latest record (it
+        cannot yet say where they are: they count as waiting, as they do in the engine until a
+        step schedules them) and the record's waiting queue."""
+        return len(self._arriving) + self._entered + self.stats.num_waiting
+
+    def latest(self) -> tuple[EngineStats, int]:
+        """The latest record and the waiting count that goes with it (``num_waiting``), read
+        together: what ``/metrics`` shows."""
+        with self._lock:
+            return self.stats, self._waiting()
+
     def num_waiting(self) -> int:
-        return len(self._arriving) + self.engine.num_waiting()
+        """Requests accepted and not yet running: admission control bounds this."""
+        with self._lock:
+            return self._waiting()
 
     def arriving(self) -> list[Request]:
         """Requests submitted but not yet in the engine (they join it at the next step), in the
@@ -163,7 +191,7 @@ class EngineLoop:
             return [handle.request for handle in self._arriving.values()]
 
     def num_running(self) -> int:
-        return self.engine.num_running()
+        return self.stats.num_running
 
     @property
     def stopping(self) -> bool:
@@ -188,6 +216,7 @@ class EngineLoop:
             torch.set_num_threads(self.threads)
         with self.engine.exclusive():    # an offline run() from another thread waits for us
             try:
+                self.refresh_stats()     # an offline run may have used the engine since __init__
                 self._driver.run(until=self._stop.is_set)
             finally:
                 self._fail_all("the server is shutting down", shutting_down=True)
@@ -205,12 +234,27 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a dashboard bug must not stop serving
                 log.exception("call_soon callback failed")
 
-    def _handle(self, req: Request) -> Handle:
+    def refresh_stats(self, detail: bool = False) -> EngineStats:
+        """Build the engine's record now and make it the latest (``detail``: with what a
+        dashboard frame draws): on the loop thread (a step hook, a ``call_soon`` callback), or
+        while that thread does not run. Anywhere else it is a ``RuntimeError``: one thread owns
+        the engine."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            raise RuntimeError("only the engine loop's thread reads the engine while it runs")
+        return self._set_stats(self.engine.stats(detail))
+
+    def _set_stats(self, stats: EngineStats) -> EngineStats:
+        with self._lock:        # the record and the count of requests it does not know of yet
+            self.stats, self._entered = stats, 0
+        return stats
+
+    def _handle(self, req: Request, entered: bool = False) -> Handle:
         with self._lock:
+            self._entered += entered
             return self._arriving.pop(id(req))
 
     def _admitted(self, req: Request) -> None:
-        self.handles[req.request_id] = self._handle(req)
+        self.handles[req.request_id] = self._handle(req, entered=True)
 
     def _rejected(self, req: Request, e: Exception) -> None:
         """``add_request`` raised (e.g. an id already in flight): only this request fails."""
@@ -224,8 +268,9 @@ class EngineLoop:
 
     def _stepped(self, out: StepOutput, record: StepRecord) -> None:
         t0, t1 = self._driver.step_time
+        # the record first: a client told its request is done finds the step counted
+        self._set_stats(self.engine.stats(kv=record.kv))
         self._publish(out)
-        self.kv = record.kv   # /metrics reads this copy, never the live engine
         for hook in self.on_step:
             try:
                 hook(self, out)
@@ -286,7 +331,10 @@ class EngineLoop:
             self.engine.reset()
         except Exception:  # noqa: BLE001 - still tell every client
             log.exception("engine reset failed")
-        self.kv = self.engine.kv_counts()
+        try:
+            self._set_stats(self.engine.stats())
+        except Exception:  # noqa: BLE001 - keep the previous record; still tell every client
+            log.exception("engine stats failed after a reset")
         handles, self.handles = list(self.handles.values()), {}
         if shutting_down:
             with self._lock:   # ``submit`` checks the stop flag under this lock: none come later

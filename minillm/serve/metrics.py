@@ -2,7 +2,9 @@
 
 Using vLLM's names (``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``, ...)
 means a Grafana dashboard or a scrape config written for vLLM reads minillm unchanged. The
-engine loop thread records; the ``/metrics`` handler renders; one lock keeps the two apart.
+engine loop thread records: the counters and histograms here (one lock keeps it and the
+``/metrics`` handler apart), and after each step the engine's ``EngineStats``
+(``runtime/stats.py``), whose newest the handler takes for the gauges: it never reads the engine.
 No ``prometheus_client`` dependency: the text format is a few lines.
 """
 from __future__ import annotations
@@ -53,7 +55,8 @@ MAX_CLASSES = 16     # priority classes with their own histograms; the others sh
 
 
 class ServerMetrics:
-    """Counters and histograms since the server started (the gauges are read live)."""
+    """Counters and histograms since the server started (the gauges come from the engine loop's
+    latest ``EngineStats``: ``scrape``)."""
 
     def __init__(self, model_name: str):
         self.labels = f'model_name="{model_name}"'
@@ -99,7 +102,7 @@ class ServerMetrics:
             self.generation_tokens += num_tokens
 
     def observe(self, event) -> None:
-        """An engine observer (``core/observe.py``) of rung 11's ``"transferred"`` phase: one
+        """An engine observer (``runtime/observe.py``) of rung 11's ``"transferred"`` phase: one
         event per request whose prompt's KV blocks came from the prefill worker."""
         with self.lock:
             if self.transfers is None:
@@ -113,7 +116,8 @@ class ServerMetrics:
             self.prefix_queries += prompt_tokens
 
     def render(self, gauges: dict[str, float], counters: dict[str, float]) -> str:
-        """The text format: ``gauges``/``counters`` are read from the engine by the caller."""
+        """The text format: ``gauges``/``counters`` are what the caller read (``scrape``: the
+        engine loop's latest record)."""
         lab = self.labels
         lines: list[str] = []
 
@@ -185,23 +189,25 @@ COUNTER_HELP = {
 
 
 def scrape(loop) -> tuple[dict[str, float], dict[str, float]]:
-    """What ``/metrics`` reads from the engine loop and its engine: (gauges, counters)."""
-    kv, eng = loop.kv, loop.engine
-    gauges = {"vllm:num_requests_running": loop.num_running(),
-              "vllm:num_requests_waiting": loop.num_waiting(),
+    """What ``/metrics`` shows, (gauges, counters): the engine loop's latest ``EngineStats`` (the
+    record its thread built after the latest step) and the loop's own counters, never the engine
+    itself (the loop's thread owns it: stats flow one way)."""
+    stats, waiting = loop.latest()
+    kv = stats.kv
+    gauges = {"vllm:num_requests_running": stats.num_running,
+              "vllm:num_requests_waiting": waiting,
               "vllm:kv_cache_usage_perc": (kv.allocated / kv.total) if kv.total else 0.0,
               # real bytes, in the pool's own format (a narrow kv_cache_dtype: rung 9)
               "minillm:kv_cache_bytes_per_token": kv.bytes_per_slot,
               "minillm:kv_cache_bytes": kv.total * kv.bytes_per_slot,
               "minillm:kv_cache_used_bytes": kv.allocated * kv.bytes_per_slot}
-    control = eng.batch_control() or {}            # rung 12: the adaptive batch
-    if control.get("batch_cap") is not None:
-        gauges["minillm:batch_cap"] = control["batch_cap"]
-    if control.get("load") is not None:
-        gauges["minillm:batch_load"] = control["load"]
-    counters = {"vllm:num_preemptions_total": eng.num_preemptions,
-                "vllm:prefix_cache_hits_total": eng.prefix_hit_tokens,
-                "minillm:engine_steps_total": loop.step_count,
+    if stats.batch_cap is not None:                # rung 12: the adaptive batch
+        gauges["minillm:batch_cap"] = stats.batch_cap
+    if stats.batch_load is not None:
+        gauges["minillm:batch_load"] = stats.batch_load
+    counters = {"vllm:num_preemptions_total": stats.num_preemptions,
+                "vllm:prefix_cache_hits_total": stats.prefix_hit_tokens,
+                "minillm:engine_steps_total": stats.step,
                 "minillm:engine_step_seconds_total": loop.engine_step_s,
                 "minillm:loop_overhead_seconds_total": loop.overhead_s}
     return gauges, counters

@@ -25,7 +25,7 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBo
 from pydantic import StrictStr
 
 from ..checks import FIELD_RANGES, FieldError
-from ..core.policy import MAX_SLO_MS
+from ..engines.r12_realtime.slo import MAX_SLO_MS
 from ..request import SamplingParams
 from ..sampling_params import MAX_LOGPROBS
 from ..structured import StructuredOutputsParams

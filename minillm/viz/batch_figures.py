@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from ..core.driver import RunResult
+from ..runtime.driver import RunResult
 from ..llm import LLM
 from ..memory import FREE, RESERVED, TOKEN, MemorySnapshot
 from ..models import LoadedModel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from matplotlib.figure import Figure
 
-from ..core.kv_quant import FORMATS, KV_CACHE_DTYPES, dequantize, quantize
+from ..layers.kv_quant import FORMATS, KV_CACHE_DTYPES, dequantize, quantize
 
 COLORS = {"auto": "#4c72b0", "float16": "#64b5cd", "bfloat16": "#8172b2", "int8": "#55a868",
           "fp8": "#c44e52"}

@@ -19,9 +19,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ..core.driver import Driver, ScheduledArrivals, StepClock
+from ..runtime.driver import Driver, ScheduledArrivals, StepClock
 from ..engines.r5_allocators import ALLOCATORS, make_allocator
 from ..core.beam import BeamChoice
+from ..engines import engine_kwargs
 from ..core.engine import PagedEngine
 from ..core.runner import reaching_end, step_order
 from ..core.sequence import Sequence
@@ -97,7 +98,8 @@ def replay_engine(cfg: SimConfig, allocator: str, requests: dict[str, SimRequest
     engine = PagedEngine(
         ReplayModel(cfg.max_model_len, cfg.bytes_per_slot), block_size=cfg.block_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        policy=cfg.policy, **cfg.policy_options, runner=NullRunner(), sampler=ReplaySampler(requests),
+        **engine_kwargs({"policy": cfg.policy, **cfg.policy_options}), runner=NullRunner(),
+        sampler=ReplaySampler(requests),
         block_manager=alloc, select_beams=ReplayBeams(requests))
     engine.name = ALLOCATOR_LABELS[allocator]        # what its snapshots are titled
     return engine

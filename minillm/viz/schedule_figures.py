@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..core.driver import Driver, ScheduledArrivals, StepClock
+from ..runtime.driver import Driver, ScheduledArrivals, StepClock
 from ..memory import MemorySnapshot
 from ..metrics import StepRecord
 from ..request import Request

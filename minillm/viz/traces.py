@@ -12,11 +12,15 @@ and ``visualizer.FragmentationVisualizer.load_trace``.
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..core.policy import policy_options
-from ..core.observe import StepEvent
+from ..engines.r8_policies.config import PolicyConfig
+from ..engines.r8_policies.policy import Priority, Score
+from ..engines.r12_realtime.config import RealtimeConfig
+from ..engines.r12_realtime.slo import SLO
+from ..runtime.observe import StepEvent
 from ..llm import LLM
 from ..request import Request
 from .accounting import SimConfig, SimResult
@@ -128,7 +132,27 @@ def trace_from_run(result, requests: list[Request], engine, source: str = "",
                  engine.block_manager.enable_prefix_caching, sched.policy.name,
                  engine.max_model_len, engine.kv_bytes_per_token,
                  [{"step": s.step, "num_running": s.num_running, **s.kv.as_dict()}
-                  for s in result.steps], source, policy_options(engine.scheduler_config))
+                  for s in result.steps], source, policy_options(sched.policy))
+
+
+def policy_options(policy) -> dict:
+    """The options that make ``policy`` again (``engines.build_components``), those that differ
+    from their defaults: what a trace keeps of the policy's weights."""
+    if isinstance(policy, Priority):
+        given = {"priority_preemption_threshold": policy.threshold}
+    elif isinstance(policy, Score):
+        given = {"score_wait_weight": policy.wait_weight, "score_margin": policy.margin,
+                 "score_remaining_weight": policy.remaining_weight,
+                 "score_priority_weight": policy.priority_weight}
+    elif isinstance(policy, SLO):
+        classes = ",".join(f"{p}:{t:g}:{s:g}" for p, t, s in policy.classes) or None
+        given = {"slo_ttft_ms": policy.ttft_ms, "slo_tpot_ms": policy.tpot_ms,
+                 "slo_margin_ms": policy.margin_ms, "slo_classes": classes}
+    else:
+        return {}
+    defaults = {f.name: f.default for config in (PolicyConfig, RealtimeConfig)
+                for f in dataclasses.fields(config)}
+    return {k: v for k, v in given.items() if v != defaults[k]}
 
 
 def record_paged_run(llm_or_engine, requests: list[Request], on_step=None, progress: bool = False,

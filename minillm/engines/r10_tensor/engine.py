@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from ...core.engine import PagedEngine
-from ...core.linear import TorchLinear
+from ...layers.linear import TorchLinear
 from ...core.model import PagedLlama
 from ...dist.comm import WorkerError, group_from_env
 from ..r7_pipeline.engine import PipelineEngine

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...core.linear import get_linear_kernel
+from ...layers.linear import get_linear_kernel
 from ...core.model import PagedLlama
 from ...dist.comm import CONNECT_TIMEOUT_S, Comm, process_group
 from ..r7_pipeline.stage import StageConfig, StageRunner, StepInputs, serve, split_layers

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...core.linear import Linear
+from ...layers.linear import Linear
 from ...core.model import LayerWeights, PagedLlama
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.config import check_bool, option, set_checked
+from ...runtime.config import check_bool, option, set_checked
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.config import options_of
+from ...runtime.config import options_of
 from ...core.engine import PagedEngine
 from ...memory import MemorySnapshot
 from ...checks import check_field
 from ...request import FinishReason, Request, RequestError
-from ...core.interface import StepOutput
+from ...runtime.interface import StepOutput
 from ...dist.comm import WorkerError, deferred_interrupt
 from ...dist.launcher import WorkerGroup, launch
 from .config import DisaggConfig
 from .prefill import run_prefill_worker
-from .transfer import Command, Handoff, Reply, land, pool_layout, recv_blocks
+from .transfer import (Command, Handoff, Reply, end_unadmitted, land, make_room_for_head,
+                       pool_layout, recv_blocks)
 
 MAX_TRANSFERS = 10_000
 
@@ -100,11 +101,13 @@ class DisaggEngine(PagedEngine):
         return self.disagg_config.worker_threads
 
     def prefill_options(self) -> dict:
-        """The prefill worker's engine options: this engine's, its budget and pool from
-        ``DisaggConfig``. The layout (block size, KV dtype, backends) must be the same."""
+        """The prefill worker's engine options: this engine's and its scheduling policy (the
+        order prompts are computed in; its steps keep the config's batch), its budget and pool
+        from ``DisaggConfig``. The layout (block size, KV dtype, backends) must be the same."""
         out = {o.name: getattr(cfg, o.field)
                for cfg in (self.cache_config, self.scheduler_config, self.model_config)
                for o in options_of(type(cfg)).values()}
+        out["policy"] = self.scheduler.policy
         c = self.disagg_config
         if c.prefill_kv_cache_bytes is not None:
             out.update(kv_cache_bytes=c.prefill_kv_cache_bytes, num_blocks=None)
@@ -165,7 +168,7 @@ class DisaggEngine(PagedEngine):
             return super().abort(request_id)
         if elsewhere.finished:
             return False
-        self.aborted.append(self.scheduler.end_unadmitted(elsewhere, FinishReason.ABORT))
+        self.aborted.append(end_unadmitted(elsewhere, FinishReason.ABORT))
         return True
 
     # --- one step: both workers at once ---------------------------------------------------------
@@ -244,7 +247,7 @@ class DisaggEngine(PagedEngine):
         if sched.running or not sched.waiting or \
                 self._room_made == (self.total_steps - 1, sched.waiting[0]):
             return super()._idle(out)
-        sched.make_room_for_head()
+        make_room_for_head(sched)
         self._room_made = (self.total_steps, sched.waiting[0])
         return out
 
@@ -324,7 +327,7 @@ class DisaggEngine(PagedEngine):
             if rid not in self.pulling:
                 self.command.aborts.append(rid)
             if not req.finished:
-                dropped.append(self.scheduler.end_unadmitted(req, FinishReason.ABORT))
+                dropped.append(end_unadmitted(req, FinishReason.ABORT))
         if self.broken is None:
             try:
                 with deferred_interrupt():

@@ -16,7 +16,7 @@ from ...core.engine import PagedEngine
 from ...core.runner import reaching_end
 from ...core.scheduler import SchedulerOutput, SequenceGroup
 from ...request import FinishReason, Request, RequestError, SamplingParams
-from ...core.interface import StepOutput
+from ...runtime.interface import StepOutput
 from ...dist.comm import IDLE_TIMEOUT_S, Comm, WorkerError
 from .transfer import Command, Handoff, Reply, filled_blocks, send_blocks
 

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.block_manager import BlockManager, NoFreeBlocksError
+from ...core.scheduler import Scheduler
 from ...core.sequence import Sequence
+from ...request import FinishReason, Request
 from ...dist.comm import Comm
 
 Layout = list[tuple[torch.dtype, torch.Size]]     # each pool tensor's dtype and one block's shape
@@ -107,3 +109,26 @@ def land(block_manager: BlockManager, pool, seq: Sequence, num_tokens: int,
     pool.write_blocks(blocks, data)
     block_manager.cache_full_blocks(seq)
     return blocks
+
+
+def make_room_for_head(scheduler: Scheduler) -> None:
+    """Free the blocks waiting groups hold behind the queue's head, lowest-ranked first, until the
+    head's uncomputed tokens fit; those groups recompute them when admitted. Only this rung lands
+    KV into waiting groups (the engine's ``_idle``): in the core a waiting group holds no blocks
+    but the prefix it adopts while being admitted."""
+    allocator, head = scheduler.allocator, scheduler.waiting[0].seqs[0]
+    for group in reversed(scheduler.waiting[1:]):
+        if allocator.blocks_needed(head, head.num_uncomputed) <= allocator.num_free_blocks:
+            return
+        for seq in group.seqs:
+            if seq.block_table:
+                allocator.free(seq)
+
+
+def end_unadmitted(req: Request, reason: FinishReason) -> Request:
+    """End a request the decode side's scheduler never admitted (one still on the prefill worker,
+    or its blocks on the way) as ``finish_group`` ends one: its one sample, with whatever tokens
+    it has."""
+    req.set_final([(list(req.output_token_ids), reason)])
+    req.finish(reason)
+    return req

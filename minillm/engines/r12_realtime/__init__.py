@@ -1,4 +1,5 @@
-"""Rung 12 — the scheduler in real time (notebook 12): an engine whose next forward runs while the
-caller handles this step's outputs (``engine.AsyncEngine``, ``async_scheduling=True``), beside the
-core's deadline policy ``slo`` (``core/policy.py``) and adaptive batch
-(``core/batch_controller.py``), which every engine on the core gets as scheduler options."""
+"""Rung 12 — the scheduler in real time (notebook 12): the deadline policy ``slo`` (``slo.py``)
+and the adaptive batch (``batch_controller.py``), components the core's scheduler takes, and the
+``ThreadExecutor`` (``engine.py``: ``async_scheduling=True``), whose forwards run while the caller
+handles the previous step's outputs; ``config.py`` holds their options, ``sim.py`` the classroom
+simulator."""

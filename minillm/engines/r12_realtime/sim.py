@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...core.block_manager import BlockManager
-from ...core.driver import Driver, ScheduledArrivals, StepClock
+from ...runtime.driver import Driver, ScheduledArrivals, StepClock
 from ...core.engine import PagedEngine
-from ...core.policy import SLO
+from .. import engine_kwargs
+from .slo import SLO
 from ...core.sequence import Sequence
 from ...request import Request, SamplingParams
 from ...viz.replay import NullRunner, ReplayModel
@@ -32,10 +33,10 @@ def sim_engine(policy: str = "fcfs", cost: tuple[float, float] = (5.0, 0.5),
     """A ``PagedEngine`` that computes nothing and bills each step ``a + b * tokens`` ms;
     ``options``: its scheduler's (``max_num_seqs``, ``batch_controller``, the policy's)."""
     a, b = cost
-    return PagedEngine(ReplayModel(1 << 16, 1), policy=policy, block_size=block_size,
-                       runner=NullRunner(), sampler=ConstSampler(),
-                       block_manager=BlockManager(num_blocks, block_size),
-                       step_cost=lambda sched: a + b * sched.num_tokens, **options)
+    return PagedEngine(ReplayModel(1 << 16, 1), block_size=block_size, runner=NullRunner(),
+                       sampler=ConstSampler(), block_manager=BlockManager(num_blocks, block_size),
+                       step_cost=lambda sched: a + b * sched.num_tokens,
+                       **engine_kwargs({"policy": policy, **options}))
 
 
 def sim_request(rid: str, prompt_len: int, max_tokens: int, ttft_ms: float | None = None,

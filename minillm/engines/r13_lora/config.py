@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.config import check_bool, option, set_checked
+from ...runtime.config import check_bool, option, set_checked
 
 LORA_KERNELS = ("sgmv", "bgmv", "triton")
 MAX_LORA_RANK = 256       # vLLM's largest supported rank as well

@@ -24,7 +24,7 @@ import torch
 
 from ...core.engine import PagedEngine
 from ...core.runner import ModelRunner
-from ...core.scheduler import SchedulerOutput, SequenceGroup
+from ...core.scheduler import Constraints, SchedulerOutput, SequenceGroup
 from ...request import Request, RequestError
 from .adapter import LoRAAdapter, LoRARequest, load_adapter
 from .config import LoRAConfig
@@ -42,7 +42,7 @@ class LoRARunner(ModelRunner):
         self.slots = LoRASlots(self.shapes, len(self.net.layers), config.max_loras,
                                config.max_lora_rank, self.device, model.dtype)
         if config.lora_kernel == "triton":     # where Triton cannot run: an error naming why, now
-            from ...core.attention.triton import TritonUnavailableError, require_triton
+            from ...layers.attention.triton import TritonUnavailableError, require_triton
             try:
                 require_triton()
             except TritonUnavailableError as e:
@@ -112,7 +112,7 @@ class LoRAEngine(PagedEngine):
 
     # --- the seams of rung 3's step -----------------------------------------------------------------
     def schedule_step(self) -> SchedulerOutput:
-        return self.scheduler.schedule(admit=self.admit)
+        return self.scheduler.schedule(Constraints(admit=self.admit))
 
     def admit(self, group: SequenceGroup) -> bool:
         """A waiting request may start once its adapter has a slot (the base model always has),

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from ...core.linear import Linear
+from ...layers.linear import Linear
 from ...core.model import PagedLlama
 from .kernels import bgmv, sgmv
 from .slots import BASE_SLOT, LoRASlots

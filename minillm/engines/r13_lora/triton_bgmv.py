@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.attention.triton import require_triton
+from ...layers.attention.triton import require_triton
 
 require_triton()           # sets TRITON_INTERPRET where there is no GPU, before triton compiles
 

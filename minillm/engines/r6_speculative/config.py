@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.config import option, set_checked
+from ...runtime.config import option, set_checked
 
 METHODS = ("ngram", "draft")
 

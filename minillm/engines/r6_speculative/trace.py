@@ -1,4 +1,4 @@
-"""What notebook 06 draws of speculation, watched from outside the engine (``core/observe.py``).
+"""What notebook 06 draws of speculation, watched from outside the engine (``runtime/observe.py``).
 
 ``SpeculativeEngine.verify`` emits one ``Verification`` per sequence it verified (phase
 "verified"); ``SpecTrace`` collects them, and the pool at every verifying step's fullest moment
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from ...memory import MemorySnapshot
-from ...core.observe import StepEvent
+from ...runtime.observe import StepEvent
 
 
 @dataclass(frozen=True)

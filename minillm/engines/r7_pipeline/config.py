@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.config import option, set_checked
+from ...runtime.config import option, set_checked
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections import deque
-from dataclasses import dataclass
-
 import torch
 
-from ...core.interface import StepOutput
+from ...runtime.interface import StepOutput
 from ...core.engine import PagedEngine
 from ...core.model import PagedLlama
-from ...core.scheduler import SchedulerOutput
-from ...core.sequence import Sequence, SequenceGroup
+from ...core.executor import LaunchedStep
+from ...core.scheduler import Constraints, SchedulerOutput
+from ...core.sequence import Sequence
 from ...dist.comm import WorkerError, deferred_interrupt
 from .config import ParallelConfig
 from ...dist.launcher import WorkerGroup, launch, torchrun_group, under_torchrun
@@ -43,26 +41,34 @@ from .stage import StageConfig, StageRunner, split_layers
 from .timeline import Event, format_summary
 
 
-@dataclass
-class MicroBatch:
-    """A scheduled step on its way through the ranks. The engine step that lands it bills it
-    with rung 3's ``bill``: its time through the whole pipeline (launch to logits back), split
-    between prefill and decode by ``sched``'s token counts."""
+class RankExecutor:
+    """Micro-batches through the ranks: up to ``depth`` in flight, nothing launched ahead. The
+    forward itself is the engine's (``launch``/``wait``: rank 0 computes its stage and sends it
+    on; the last rank's logits come back), so this only says how many; rank 0 alone decides,
+    so it may change between runs (``measure.py`` does)."""
 
-    index: int
-    sched: SchedulerOutput        # what it computes (committed as computed at launch)
-    groups: set[SequenceGroup]    # the requests in it: not schedulable until it is back
-    reached: list[Sequence]       # the sequences whose logits come back, in row order
-    t_launch: float
-    logits: torch.Tensor | None = None   # computed by rank 0 itself (rung 10 with one stage)
+    def __init__(self, depth: int = 2):     # (a pipeline has >= 2 stages until connected)
+        self.depth, self.ahead = depth, 0
+
+    def submit(self, fn, *args):
+        return fn(*args)
+
+    def wait(self, handle):
+        return handle
+
+    def call(self, fn, *args):
+        return fn(*args)
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"num_microbatches": self.depth}
 
 
 class PipelineEngine(PagedEngine):
     name = "pipeline"
     refuses = frozenset({"prompt_logprobs"})   # the last stage returns sampled rows' logits only
-    # micro-batches overlap: no one step time for rung 12's clock and controller ('slo', 'tpot')
-    bills_steps = False
-
     configs = PagedEngine.configs + (ParallelConfig,)
 
     def __init__(self, model, *, group: WorkerGroup | None = None, **options):
@@ -78,7 +84,7 @@ class PipelineEngine(PagedEngine):
                              "one process per GPU with torchrun (see docs/rungs/07_pipeline.md)")
         # PagedEngine checks every option, then builds rank 0's stage (``make_runner``), all
         # before any process is started.
-        super().__init__(model, **options)
+        super().__init__(model, executor=RankExecutor(), **options)
         parallel = self.parallel_config
         world, timeout = self.world_size, parallel.pipeline_timeout_s
         if torchrun:
@@ -94,11 +100,17 @@ class PipelineEngine(PagedEngine):
             self.connect()
         except WorkerError as e:
             raise self.group.failure(e) from None
-        # rank 0's alone, so it may change between runs (``measure.py`` does)
         self.num_microbatches = parallel.num_microbatches or self.runner.num_stages
-        self.in_flight: deque[MicroBatch] = deque()
-        self.num_launched = 0
         self.broken: WorkerError | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches in flight at most: the executor's depth."""
+        return self.executor.depth
+
+    @num_microbatches.setter
+    def num_microbatches(self, n: int) -> None:
+        self.executor.depth = n
 
     # --- the ranks: one per stage (rung 10 overrides these four for stages of T ranks) -------------
     @property
@@ -131,33 +143,7 @@ class PipelineEngine(PagedEngine):
         net = PagedLlama(self.model.hf_model, self.linear_kernel(), self.layer_ops())
         return StageRunner(net, 0, config, backend, self.model.device, self.model.dtype)
 
-    # --- one step: fill the pipeline, then finish its oldest micro-batch ---------------------------
-    def has_unfinished(self) -> bool:
-        return super().has_unfinished() or bool(self.in_flight)
-
-    def _step(self) -> StepOutput:
-        """Rung 3's phases with the forward split in two: ``launch`` micro-batches (each a
-        ``schedule_step``) until ``num_microbatches`` are in flight, then ``land`` the oldest,
-        ``bill`` it and ``finish_step`` it -- sample and commit, as the core does."""
-        if self.broken is not None:
-            raise self.broken
-        out = self._take_aborted()
-        try:
-            while len(self.in_flight) < self.num_microbatches and self.launch():
-                pass
-            if not self.in_flight:
-                return self._idle(out)
-            with deferred_interrupt():   # the logits received <=> the micro-batch forgotten
-                mb = self.in_flight.popleft()
-                logits = self.land(mb)
-            self.bill(out, mb.sched, (time.perf_counter() - mb.t_launch) * 1000.0)
-            with self.comm.timeline.span("schedule", mb.index):    # rank 0's host work
-                self.finish_step((mb.reached, logits), out)
-        except WorkerError as e:
-            self.broken = self.group.failure(e)
-            raise self.broken from None
-        return out
-
+    # --- one step: the core's loop; a launch goes through the ranks ---------------------------------
     def schedule_step(self) -> SchedulerOutput:
         """A scheduler step over the running requests not in flight: those are excluded (neither
         scheduled nor preempted, though they keep their seats against ``max_num_seqs``). New
@@ -165,53 +151,72 @@ class PipelineEngine(PagedEngine):
         first micro-batch would take them all and leave the others empty (and the pipeline would
         run one micro-batch at a time). With one micro-batch the share is everything: exactly
         rung 3's schedule."""
-        busy = {g for mb in self.in_flight for g in mb.groups}
+        if self.broken is not None:
+            raise self.broken
+        busy = {g for step in self.in_flight for g in step.groups}
         share = -(-len(self.groups) // self.num_microbatches)
         visible = sum(1 for g in self.scheduler.running if g not in busy)
-        return self.scheduler.schedule(exclude=busy, max_new=max(0, share - visible))
+        with self.comm.timeline.span("schedule", self.num_launched):
+            return self.scheduler.schedule(Constraints(busy, max_new=max(0, share - visible)))
 
-    def launch(self) -> bool:
-        """The first half of rung 3's ``execute``, for the next micro-batch: schedule it, prepare
-        its inputs, commit them as computed (the next micro-batch's schedule must see its tokens
-        so), run the first stage and send it on. False: nothing to run."""
-        index, timeline = self.num_launched, self.comm.timeline
+    def launch(self, step: LaunchedStep) -> LaunchedStep:
+        """The first half of rung 3's ``execute``, for the next micro-batch: prepare its inputs,
+        commit them as computed (the next micro-batch's schedule must see its tokens so), run the
+        first stage and send it on."""
+        index, timeline, sched = step.index, self.comm.timeline, step.sched
         with timeline.span("schedule", index):
-            sched = self.schedule_step()
-            if not sched.scheduled:
-                return False
             ids, inputs, reached = self.runner.prepare_step(sched.scheduled, sched.copies, index)
             self.scheduler.commit_computed(sched)
-            groups = {self.groups[s.request.request_id] for s, _ in sched.scheduled}
+            step.committed = True
         t = time.perf_counter()
         # Every rank must see all of a micro-batch or none of it, and rank 0 must know it is in
         # flight: Ctrl-C waits until all that is done. The metadata goes out first (the sends
         # finish in the background) so that no rank waits for it longer than for its input.
-        with deferred_interrupt():
-            with timeline.span("send", index):
-                for rank in range(1, self.comm.world_size):
-                    self.comm.send_object(inputs, rank)
-                self.runner.send_input(self.comm, ids, index)
-            with timeline.span("compute", index):
-                out = self.runner.compute(inputs, ids)
-            mb = MicroBatch(index, sched, groups, reached, t)
-            if self.runner.computes_logits:     # a single stage: rank 0 holds the logits
-                mb.logits = out
-            else:
-                self.runner.send_output(self.comm, out)
-            self.in_flight.append(mb)
+        try:
+            with deferred_interrupt():
+                with timeline.span("send", index):
+                    for rank in range(1, self.comm.world_size):
+                        self.comm.send_object(inputs, rank)
+                    self.runner.send_input(self.comm, ids, index)
+                with timeline.span("compute", index):
+                    out = self.runner.compute(inputs, ids)
+                if not self.runner.computes_logits:
+                    self.runner.send_output(self.comm, out)
+        except WorkerError as e:
+            raise self._break(e) from None
+        step.handle = (reached, out if self.runner.computes_logits else None, t)
         self.comm.prune()
-        self.num_launched += 1
-        return True
+        return step
 
-    def land(self, mb: MicroBatch) -> torch.Tensor:
-        """The second half of ``execute``: the logits of ``mb``'s rows, back from the last rank."""
-        vocab = self.runner.net.vocab_size
-        if mb.logits is not None:
-            return mb.logits
-        if not mb.reached:
-            return torch.empty((0, vocab))
-        return self.comm.recv((len(mb.reached), vocab), torch.float32, self.runner.logits_rank,
-                              microbatch=mb.index)
+    def wait(self, step: LaunchedStep) -> tuple:
+        """The second half of ``execute``: the logits of the micro-batch's rows, back from the
+        last rank (or computed by rank 0 itself: rung 10 with one stage), and its time through
+        the whole pipeline, launch to logits back."""
+        if step.result is not None:
+            return step.result
+        reached, logits, t = step.handle
+        try:
+            with deferred_interrupt():   # the logits received <=> kept on the step
+                if logits is None and not reached:
+                    logits = torch.empty((0, self.runner.net.vocab_size))
+                elif logits is None:
+                    logits = self.comm.recv((len(reached), self.runner.net.vocab_size),
+                                            torch.float32, self.runner.logits_rank,
+                                            microbatch=step.index)
+                step.result = ((reached, logits), (time.perf_counter() - t) * 1000.0)
+        except WorkerError as e:
+            raise self._break(e) from None
+        return step.result
+
+    def land(self, step: LaunchedStep, out: StepOutput) -> None:
+        """Rung 3's: sample and commit, once the logits are in (rank 0's host work, timed so)."""
+        self.wait(step)
+        with self.comm.timeline.span("schedule", step.index):
+            super().land(step, out)
+
+    def _break(self, error: WorkerError) -> WorkerError:
+        self.broken = self.broken or self.group.failure(error)
+        return self.broken
 
     def finish_step(self, result, out: StepOutput) -> None:
         """Rung 3's, less the rows of requests aborted while their micro-batch was in flight
@@ -241,15 +246,9 @@ class PipelineEngine(PagedEngine):
     # --- clean-up, timeline ---------------------------------------------------------------------
     def reset(self):
         """Drop every request; micro-batches in flight are received first (their results
-        discarded) so that every rank is between micro-batches again."""
-        if self.broken is None:
-            try:
-                while self.in_flight:
-                    with deferred_interrupt():
-                        self.land(self.in_flight.popleft())
-            except WorkerError as e:
-                self.broken = self.group.failure(e)
-        self.in_flight.clear()
+        discarded: the core's ``_drain``) so that every rank is between micro-batches again."""
+        if self.broken is not None:
+            self.in_flight.clear()
         return super().reset()
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ def torchrun_worker(model_name: str, pipeline_timeout_s: float = 60.0,
     sends each stage what it needs."""
     from ...models import load_model
 
-    from ...core.linear import get_linear_kernel
+    from ...layers.linear import get_linear_kernel
 
     device = torchrun_device()
     model = load_model(model_name, device, dtype)     # rank 0's --dtype

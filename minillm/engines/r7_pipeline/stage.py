@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...core.attention.reference import AttentionMetadata
-from ...core.kv_quant import get_format
+from ...layers.attention.reference import AttentionMetadata
+from ...layers.kv_quant import get_format
 from ...core.model import PagedLlama
 from ...core.runner import ModelRunner, reaching_end
 from ...core.sequence import Sequence

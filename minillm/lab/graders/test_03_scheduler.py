@@ -55,7 +55,8 @@ def probe_random_run(reqs: list, num_blocks: int, block_size: int, budget: int, 
     each scheduled sequence's (slots, computed tokens, new tokens) and the books; at the end, how
     many tokens each admitted request got, and whether it ended within ``MAX_STEPS``."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    sched = Scheduler(bm, budget, max_seqs, policy)
+    from minillm.engines.r8_policies.policy import get_policy
+    sched = Scheduler(bm, budget, max_seqs, get_policy(policy))
     pending, admitted = [], []
     for i, (plen, out_len, arrive, prio) in enumerate(reqs):
         if -(-(plen + out_len) // block_size) > num_blocks:

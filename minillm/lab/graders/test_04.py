@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
-from minillm.core.attention.reference import TorchAttention
+from minillm.layers.attention.reference import TorchAttention
 from minillm.lab.reference import assert_greedy_match, hf_greedy, random_prompts
 
 

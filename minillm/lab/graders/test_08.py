@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from minillm import SamplingParams
 from minillm.core.block_manager import BlockManager
-from minillm.core.policy import Priority, Score, get_policy, remaining_tokens
+from minillm.engines.r8_policies.policy import Priority, Score, get_policy, remaining_tokens
 from minillm.core.runner import reaching_end, step_order
 from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.core.sequence import Sequence, SequenceGroup

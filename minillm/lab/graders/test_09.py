@@ -1,4 +1,4 @@
-"""Exercise 09 — a quantized KV cache: ``quantize`` and ``dequantize`` (``minillm/core/kv_quant.py``),
+"""Exercise 09 — a quantized KV cache: ``quantize`` and ``dequantize`` (``minillm/layers/kv_quant.py``),
 and the pool that uses them: ``QuantizedPool.index_copy_`` (quantize on write) and
 ``QuantizedPool.index_select`` / ``__getitem__`` (widen only the rows that are read).
 
@@ -21,8 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.core.attention.reference import TorchAttention
-from minillm.core.kv_quant import FORMATS, QuantizedPool, dequantize, quantize
+from minillm.layers.attention.reference import TorchAttention
+from minillm.layers.kv_quant import FORMATS, QuantizedPool, dequantize, quantize
 from minillm.lab.reference import pressure_runs
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.core.linear import Linear, get_linear_kernel
+from minillm.layers.linear import Linear, get_linear_kernel
 from minillm.core.model import PagedLlama
 from minillm.engines.r10_tensor.shard import RowParallelLinear, head_split, shard_layer
 

@@ -1,5 +1,5 @@
 """Exercise 12 — the adaptive batch: ``TPOTController.observe``, ``TPOTController._fit`` and
-``TPOTController._cap`` (``minillm/core/batch_controller.py``).
+``TPOTController._cap`` (``minillm/engines/r12_realtime/batch_controller.py``).
 
 Graded on behaviour, never on the clock: the controller is driven with synthetic step times, each
 step of ``min(cap, demand)`` tokens billed ``a + b * tokens`` ms (sometimes with a seeded
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 
-from minillm.core.batch_controller import TPOTController
+from minillm.engines.r12_realtime.batch_controller import TPOTController
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
 HEADROOM = 0.95      # the fraction of the target the controller aims at (its default)

@@ -1,6 +1,7 @@
-"""Exercise 12-async — the overlapped step of ``AsyncEngine`` (``async_scheduling=True``):
-``_step``, ``_land``, ``abort`` and ``_apply_deferred_aborts``
-(``minillm/engines/r12_realtime/engine.py``).
+"""Exercise 12-async — the executor that overlaps a step's forward with the caller's work
+(``async_scheduling=True``): ``ThreadExecutor.submit``, ``.wait`` and ``.call``
+(``minillm/engines/r12_realtime/engine.py``). The step loop that uses it is the core's
+(``PagedEngine._step``: land the step in flight, then launch the next one ahead).
 
 Graded on behaviour, never on the clock: every step is billed by a cost model (``step_cost``), so
 the scheduler's clock and the ``slo`` policy's deadlines are the same on every machine. Your
@@ -12,7 +13,8 @@ still running (not one preempted or ended while its step was in flight), each st
 tokens, the finish reasons, the preemptions, the prefix hits, the clock and the billed tokens must
 be the synchronous ``PagedEngine``'s (run here, by the package's own code), the pool full at the
 end. Last, an abort while a forward is in flight: the request ends once, at the next step, keeping
-its tokens (that step's too), and nothing of it lands after it ended.
+its tokens (that step's too), and nothing of it lands after it ended. And the forward and the
+sampler both run on the executor's one worker thread, with the caller's torch thread count.
 
 The runs happen in the student's process (``probe_*``, the ``student`` fixture) and send back
 what happened, judged here.
@@ -30,7 +32,7 @@ from minillm.lab.reference import baseline, mixed_requests
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
 MAX_STEPS = 2000     # a run that has not drained by then never will (a hang is a failure)
 _MODEL: dict = {}
-STEP = "AsyncEngine._step"
+EXECUTOR = "ThreadExecutor"
 
 
 def tiny_model():
@@ -84,9 +86,9 @@ def abort_in_flight(engine, rid: str) -> dict:
     """Abort ``rid`` while a forward is in flight — once that forward has computed, so that a
     mistake shows the same on every run (the race of freeing blocks under a running forward
     would not) — and say what the abort did at once."""
-    flight = getattr(engine, "in_flight", None)
+    flight = engine.in_flight[0] if engine.in_flight else None
     if flight is not None:
-        flight.future.result()              # (its result stays for the next step to land)
+        flight.handle.result()              # (its result stays for the next step to land)
     group = engine.groups.get(rid)
     had = [len(s.output_token_ids) for s in group.seqs] if group else None
     answers = [engine.abort(rid), engine.abort(rid), engine.abort("nope")]
@@ -100,8 +102,10 @@ def probe_serve(kind: str, opts: dict, abort: tuple | None = None) -> dict:
     """``workload()`` through the ``kind`` engine ("async": yours; "sync": ``PagedEngine``), every
     step billed by ``cost``. ``abort = (request id, after how many steps)``: abort it then."""
     from minillm.core.engine import PagedEngine
-    from minillm.engines.r12_realtime.engine import AsyncEngine
-    engine = (AsyncEngine if kind == "async" else PagedEngine)(tiny_model(), step_cost=cost, **opts)
+    from minillm.engines.r12_realtime.engine import ThreadExecutor
+    from minillm.engines import engine_kwargs
+    executor = ThreadExecutor() if kind == "async" else None
+    engine = PagedEngine(tiny_model(), step_cost=cost, executor=executor, **engine_kwargs(opts))
     log, reqs = watch(engine), []
     for r in workload():
         try:
@@ -135,9 +139,9 @@ def probe_serve(kind: str, opts: dict, abort: tuple | None = None) -> dict:
               "preemptions": int(engine.num_preemptions), "hits": int(engine.prefix_hit_tokens),
               "clock": float(engine.scheduler.now_ms), "billed": billed,
               "free": int(bm.num_free_blocks), "blocks": int(bm.num_blocks),
-              "overlap": int(engine.overlap.steps) if kind == "async" else None}
+              "overlap": int(executor.overlap.steps) if kind == "async" else None}
     if kind == "async" and raised is None:
-        result["in_flight"] = engine.in_flight is not None
+        result["in_flight"] = bool(engine.in_flight)
     engine.close()
     return result
 
@@ -148,23 +152,20 @@ def judge_watch(got: dict) -> None:
     assert not log["early"], (
         f"step {log['early'][0] + 1} was planned (Scheduler.schedule) while step "
         f"{log['early'][0]} had not landed: its tokens were not sampled yet nor its K/V "
-        f"committed, so the plan used tokens that did not exist. {STEP}: land the forward in "
-        "flight first (_land: bill, commit_computed, finish_step), then schedule the next step")
+        f"committed, so the plan used tokens that did not exist. {EXECUTOR}.wait must return "
+        "the forward's own result, once it is done")
     assert not log["twice"], (
         f"{log['landed']} steps landed, {log['launched']} were launched: a step landed twice "
-        "(_land must set in_flight back to None)")
+        f"({EXECUTOR}.wait returns each forward's result once)")
     for rid, state in log["leaks"][:1]:
         assert state != "preempted", (
             f"request {rid} was preempted while its step was in flight, and that step's token "
             "landed in it afterwards: a token for a request that has given its blocks back and "
-            "will recompute (a placeholder leaking into its output). Plan, and so preempt, only "
-            f"after the step in flight has landed ({STEP})")
+            "will recompute (a placeholder leaking into its output)")
         assert state != "ended", (
             f"request {rid} ended (aborted) while its step was in flight, and that step's tokens "
             "then landed in a request that no longer exists (its blocks back in the pool while "
-            "the forward wrote them). While a forward is in flight, abort only notes the id; "
-            f"end the request after that step has landed ({STEP}: _land, then "
-            "_apply_deferred_aborts)")
+            "the forward wrote them)")
         raise AssertionError(f"tokens landed in request {rid}'s {state}: {log['leaks'][:4]}")
     assert got["raised"] is None, f"your engine raised {got['raised']}"
     assert not got["unfinished"], (
@@ -201,18 +202,17 @@ def test_the_overlapped_engine_is_the_synchronous_engine(student, name):
     assert got["clock"] == pytest.approx(want["clock"]), (
         f"{name}: the scheduler's clock ended at {got['clock']:.2f} ms, the synchronous "
         f"engine's at {want['clock']:.2f}: bill every step once, as it lands "
-        "(self.bill(out, flight.sched, ms): the clock, the slo policy and the batch "
-        "controller learn of it there)")
+        f"({EXECUTOR}.wait returns (result, forward ms) as the forward returned them)")
     assert got["billed"][0] == want["billed"][0] and \
         got["billed"][1] == pytest.approx(want["billed"][1]), (
         f"{name}: the step outputs account for {got['billed'][0]} tokens in "
         f"{got['billed'][1]:.2f} ms, the synchronous engine's {want['billed'][0]} in "
-        f"{want['billed'][1]:.2f}: bill each landed step into the output step() returns")
+        f"{want['billed'][1]:.2f}")
     assert got["free"] == got["blocks"], f"{name}: {got['blocks'] - got['free']} blocks leaked"
     assert not got.get("in_flight"), "a forward is still in flight after the last step"
     assert got["overlap"] == got["log"]["launched"], (
-        f"self.overlap counted {got['overlap']} steps of {got['log']['launched']} landed: add "
-        "each landed forward to it (steps, forward_ms, waited_ms)")
+        f"self.overlap counted {got['overlap']} steps of {got['log']['launched']} landed: "
+        f"{EXECUTOR}.wait adds each forward it waited for (steps, forward_ms, waited_ms)")
 
 
 ABORTS = dict(num_blocks=32, block_size=4, max_num_seqs=6, attention_backend="torch")
@@ -227,11 +227,10 @@ def test_an_abort_while_a_forward_is_in_flight_ends_the_request_once(student):
     assert not (asked and asked["in_flight"] and asked["ended_at_once"]), (
         "abort('r1') ended r1 at once (its blocks freed) while its step was in flight: the "
         "forward writes those blocks and its token is still to land. While a forward is in "
-        "flight, abort only notes the id; the request ends once that step has landed "
-        "(_apply_deferred_aborts)")
+        "flight, abort only notes the id; the request ends once that step has landed")
     judge_watch(got)
     assert asked and asked["in_flight"] and asked["had"], \
-        "after 4 steps a forward of r1 should be in flight (does _step launch the next step?)"
+        "after 4 steps a forward of r1 should be in flight (does submit return at once?)"
     assert asked["answers"] == [True, False, False], (
         f"abort('r1'), again, and abort('nope') answered {asked['answers']}: True when it "
         "cancels the request, False when asked again while it is pending, or for an unknown "
@@ -248,3 +247,48 @@ def test_an_abort_while_a_forward_is_in_flight_ends_the_request_once(student):
         f"r1 had {had} tokens when aborted; it keeps them and the token of the step in flight: "
         f"got {mine}, its tokens unaborted {whole}")
     assert got["free"] == got["blocks"], f"{got['blocks'] - got['free']} blocks leaked"
+
+
+def probe_threads() -> dict:
+    """Where the forward and the sampler ran, and with how many torch threads, in your engine."""
+    import threading
+    from minillm.core.engine import PagedEngine
+    from minillm.engines.r12_realtime.engine import ThreadExecutor
+    torch.set_num_threads(3)      # no thread's default (OMP_NUM_THREADS, or the cores)
+    engine = PagedEngine(tiny_model(), executor=ThreadExecutor(), step_cost=cost, num_blocks=32,
+                         block_size=4, attention_backend="torch")
+    seen = []
+    phases = {"executed": "forward", "computed": "sampler"}   # (the sampler runs after "computed")
+
+    def where(event):
+        if event.phase in phases:
+            seen.append((phases[event.phase], threading.current_thread().name,
+                         torch.get_num_threads()))
+
+    engine.observers.add(where)
+    for r in workload()[:3]:
+        engine.add_request(r)
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    engine.close()
+    return {"caller": threading.current_thread().name, "seen": seen}
+
+
+def test_the_forward_and_the_sampler_run_on_the_worker_thread(student):
+    """Both on the executor's one worker thread (one OpenMP team: docs/rungs/12_realtime.md),
+    with the caller's thread count; never on the caller's thread (nothing would overlap)."""
+    got = student.run(probe_threads)
+    seen, caller = got["seen"], got["caller"]
+    assert {w for w, _, _ in seen} == {"forward", "sampler"}, f"ran: {sorted(set(seen))[:4]}"
+    here = sorted({w for w, t, _ in seen if t == caller})
+    assert not here, (
+        f"the {' and the '.join(here)} ran on the caller's thread: submit puts the forward on "
+        "the worker thread and returns at once; call runs the commit (the sampler) there too, "
+        "while the caller waits")
+    threads = {t for _, t, _ in seen}
+    assert len(threads) == 1, f"forwards and samplers ran on {len(threads)} threads: {threads}"
+    counts = {n for _, _, n in seen}
+    assert counts == {3}, (f"torch ran with {counts} threads on the worker: submit sets the "
+                           "caller's count there (torch.get_num_threads())")

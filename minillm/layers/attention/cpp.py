@@ -56,7 +56,7 @@ def load_kernel():
 def load_extension(source: Path, state: dict, what: str, fallback: str, stem: str | None = None):
     """Build (once per toolchain) and import ``source``, or ``None`` with the reason kept in
     ``state["error"]`` and said once: ``what`` could not be built, ``fallback`` is used instead.
-    The fused layer ops (``core/fused.py``) load the same way."""
+    The fused layer ops (``layers/fused.py``) load the same way."""
     with _lock:
         if "module" in state or "error" in state:
             return state.get("module")

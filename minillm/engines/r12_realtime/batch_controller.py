@@ -41,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Protocol
+
+from ...core.budget import FixedBatch
 
 CONTROLLERS = ("none", "tpot")
 OVERLOAD = ("hold", "widen")
@@ -58,19 +59,6 @@ class BatchDecision:
     fixed_ms: float           # the fit's a (ms per step)
     per_token_ms: float       # the fit's b (ms per token)
     load: float | None = None     # arrivals' work / what the objective's batch serves
-
-
-class BatchController(Protocol):
-    name: str
-    cap: int | None              # tokens per step (None: the config's limits)
-
-    def observe(self, num_tokens: int, step_ms: float) -> BatchDecision | None: ...
-
-    def arrived(self, now_ms: float, at_most: int) -> None: ...   # joined, with <= this work
-
-    def finished(self, num_tokens: int) -> None: ...       # a request ended: its work in tokens
-
-    def describe(self) -> dict: ...
 
 
 class Demand:
@@ -106,30 +94,7 @@ class Demand:
         return None if tokens is None else self.rate_at(now_ms) * tokens
 
 
-class Deaf:
-    """A controller that ignores arrivals (the arrival rate: ``LoadAwareController``)."""
-
-    def arrived(self, now_ms: float, at_most: int) -> None:
-        pass
-
-    def finished(self, num_tokens: int) -> None:
-        pass
-
-
-class NoController(Deaf):
-    """The fixed batch: the config's limits, never changed."""
-
-    name = "none"
-    cap: int | None = None
-
-    def observe(self, num_tokens: int, step_ms: float) -> BatchDecision | None:
-        return None
-
-    def describe(self) -> dict:
-        return {"batch_controller": self.name}
-
-
-class TPOTController(Deaf):
+class TPOTController(FixedBatch):
     """Token budget per step from a fit of step time against tokens (see the module)."""
 
     name = "tpot"
@@ -246,12 +211,3 @@ class LoadAwareController(TPOTController):
         return {**super().describe(), "tpot_overload": self.overload,
                 "arrivals_per_s": round(self.demand.rate_at(self.now_ms) * 1000.0, 3),
                 "load": None if self.load is None else round(self.load, 3)}
-
-
-def make_controller(config) -> NoController | TPOTController:
-    """The controller a ``SchedulerConfig`` names (``batch_controller``, ``tpot_target_ms``,
-    ``tpot_overload``)."""
-    if config.batch_controller == "tpot":
-        return LoadAwareController(config.tpot_target_ms, config.max_num_batched_tokens,
-                                   config.tpot_overload)
-    return NoController()

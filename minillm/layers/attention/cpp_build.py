@@ -70,7 +70,7 @@ def kernel_name(inputs: BuildInputs, stem: str = "minillm_paged_decode") -> str:
 
 
 def headers(source: Path) -> list[Path]:
-    """What ``source`` may include, by name: headers beside it and the core's (``core/csrc``)."""
+    """What ``source`` may include, by name: headers beside it and the core's (``layers/csrc``)."""
     shared = Path(__file__).resolve().parents[1] / "csrc"
     found = {h.name: h for d in (shared, source.parent) for h in d.glob("*.h")}
     return [found[name] for name in sorted(found)]

@@ -28,6 +28,7 @@ from ..request import Request, RequestError, RequestOutput
 from ..structured import bind_grammar
 from .driver import Driver, RunResult, ScheduledArrivals, WallClock  # noqa: F401 (RunResult: API)
 from .observe import Observers
+from .stats import EngineStats
 
 
 @dataclass
@@ -136,6 +137,13 @@ class Engine:
         adds its scheduling policy and KV format)."""
         return {"engine": self.name, "model": self.model.name,
                 "dtype": dtype_name(self.model.dtype)}
+
+    def stats(self, detail: bool = False, kv: KVCounts | None = None) -> EngineStats:
+        """This engine's counts now as one frozen record (``runtime/stats.py``), built only from
+        the methods declared here: call it on the thread that drives the engine; others (a
+        server's /metrics, its dashboard) read the record. ``detail``: with what a dashboard
+        frame draws; ``kv``: ``kv_counts()`` already taken now (a step's ``StepRecord``)."""
+        return EngineStats.of(self, detail, kv)
 
     def batch_control(self) -> dict | None:
         """Rung 12's batch controller, as its ``describe()`` says (the cap, the fit, the load), or

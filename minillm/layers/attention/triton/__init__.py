@@ -15,7 +15,7 @@ blocks *in place*, through the block table, one block at a time:
 ``kernels.py`` holds the kernels (device code, read top to bottom); ``launch.py`` the Python
 functions that check shapes and launch them (re-exported by ``kernels``, and importable without
 triton); ``backend.TritonAttention`` puts them behind the same three methods as ``TorchAttention``.
-All three take rung 9's narrow pools too (``core/kv_quant.py``): int8/fp8 rows with a scale each,
+All three take rung 9's narrow pools too (``layers/kv_quant.py``): int8/fp8 rows with a scale each,
 or 16-bit rows, quantized inside the store kernel and widened inside the attention kernels' loads.
 
 Without a GPU, Triton can still run the kernels through its *interpreter* (numpy, on CPU tensors,
@@ -108,7 +108,7 @@ def require_triton() -> None:
 
 
 def __getattr__(name: str):
-    # Imported lazily so that ``import minillm.core.attention.triton`` works without triton installed;
+    # Imported lazily so that ``import minillm.layers.attention.triton`` works without triton installed;
     # asking for the backend without triton raises TritonUnavailableError (an ImportError).
     if name == "TritonAttention":
         require_triton()

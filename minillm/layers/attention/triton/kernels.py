@@ -16,7 +16,7 @@ Three ideas carry all the attention kernels:
 * **fp32 accumulation**, whatever the dtype of the cache: sums of many small terms in fp16 would
   lose the small ones.
 
-Rung 9 (``core/kv_quant.py``) narrows the pool: rows stored in int8 or fp8 with one fp32 scale per
+Rung 9 (``layers/kv_quant.py``) narrows the pool: rows stored in int8 or fp8 with one fp32 scale per
 (token, KV head) in a scale pool ``[num_blocks, block_size, num_kv_heads]``, or in 16 bits without
 one. The store kernel quantizes as it writes; the attention kernels widen each row as they load it
 and fold its scale into that key's score and that value's weight -- a ``tl.constexpr`` flag
@@ -70,7 +70,7 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
 def _encode_row(x, dst, scale_dst, QMAX: tl.constexpr):
     """Encode one row [HEAD_DIM] into the pool's storage type on write (``QMAX > 0``: a scaled
     format, whose row scale goes to ``scale_dst``). ``tests/test_kv_quant_triton.py`` holds the
-    stored bytes and scales to the torch path's (``core/kv_quant.py``) bit for bit, so the
+    stored bytes and scales to the torch path's (``layers/kv_quant.py``) bit for bit, so the
     arithmetic below is pinned by those tests, not restated here.
 
     Two things only a kernel needs: divisions are IEEE (``div_rn``), since Triton's ``/`` may

@@ -1,6 +1,6 @@
 """``TritonAttention``: rung 4's kernels behind the attention-backend interface of rung 3.
 
-A drop-in replacement for ``TorchAttention`` (``core/attention/reference.py``): same three methods,
+A drop-in replacement for ``TorchAttention`` (``layers/attention/reference.py``): same three methods,
 same arguments, so ``paged_attention(backend, ...)`` and the paged engine need no change. A pool may
 also be rung 9's ``QuantizedPool``: its stored rows and scales go to the kernels as two tensors,
 and the kernels quantize as they write and widen as they read (no dequantized copy, ever).

@@ -21,7 +21,7 @@ Phases, in the order they happen within one step:
   were written into this pool (``request_id``; ``data``: the ``r11_disagg.engine.Transfer``:
   tokens, blocks, bytes, seconds). The server's ``/metrics`` counts them.
 - ``"controlled"`` — rung 12's batch controller moved the step's token budget after measuring a
-  step (``data``: a ``core.batch_controller.BatchDecision``: old and new cap, the fit).
+  step (``data``: a ``engines.r12_realtime.batch_controller.BatchDecision``: old and new cap, the fit).
 - ``"stepped"`` — the step is over (``data``: its ``StepOutput``); every engine emits it.
 
 ``StepEvent.step`` is the step of the current run, counted from 1 like ``StepRecord.step``.

@@ -1,0 +1,42 @@
+"""Which kernels run the model: the attention backend (rung 3's torch reference, rung 4's C++ and
+Triton kernels), the linear layers' kernel and a layer's elementwise ops (``ModelConfig``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..runtime.config import option
+
+ATTENTION_BACKENDS = ("torch", "cpp", "triton")
+LINEAR_BACKENDS = ("torch", "onednn")
+LAYER_OPS = ("fused", "eager")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How the model runs: the attention backend (rung 3's torch reference, rung 4's kernels) and
+    the kernel of the linear layers (layers/linear.py)."""
+
+    attention_backend: str | None = option(
+        None, "paged: attention backend, torch, cpp or triton (default: triton on CUDA, cpp on "
+              "CPU where a C++ compiler builds it, else torch)", aliases=("--attention",))
+    linear_backend: str | None = option(
+        None, "paged: linear-layer kernel, torch (F.linear) or onednn (weights reordered once; "
+              "default for fp32 on the CPU where it works, else torch)")
+    layer_ops: str | None = option(
+        None, "paged: a layer's RMSNorm, RoPE and SiLU, fused (one C++ pass each: the default for "
+              "fp32/bf16/fp16 on the CPU where it builds) or eager (torch ops: the reference)")
+
+    def __post_init__(self):
+        if self.layer_ops not in (None, *LAYER_OPS):
+            raise ValueError(f"unknown layer_ops {self.layer_ops!r}: choose "
+                             f"{' or '.join(map(repr, LAYER_OPS))}")
+        if self.linear_backend not in (None, *LINEAR_BACKENDS):
+            raise ValueError(f"unknown linear_backend {self.linear_backend!r}: choose "
+                             f"{' or '.join(map(repr, LINEAR_BACKENDS))}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}: choose "
+                             f"{', '.join(map(repr, ATTENTION_BACKENDS[:-1]))} or "
+                             f"{ATTENTION_BACKENDS[-1]!r}")
+
+
+__all__ = ["ATTENTION_BACKENDS", "LAYER_OPS", "LINEAR_BACKENDS", "ModelConfig"]
