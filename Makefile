@@ -15,7 +15,8 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '$(TORCH)') | cksum | cut -d' ' -f1)
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup browser lab test test-fast bench bench-full bench-vllm bench-policies eval bench-kv bench-disagg profile figures html kernels start check clean
+PHONY_TESTS = $(addprefix test-,runtime layers core rungs serve viz lab bench meta)
+.PHONY: setup browser lab test test-fast $(PHONY_TESTS) bench bench-full bench-vllm bench-policies eval bench-kv bench-disagg profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -47,7 +48,7 @@ browser:
 	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  echo "installing chromium and chromium-driver for the browser test"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
-	else echo "note: tests/test_browser.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
+	else echo "note: tests/viz/test_browser.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver"; fi
 
 # Both tiers run on two worker processes (pytest-xdist), one torch thread each (tests/conftest.py):
 # on a 2-core machine about 1.8x faster than one process with two threads (make test: ~25 min
@@ -56,11 +57,18 @@ browser:
 TEST_JOBS ?= 2
 FAST_JOBS ?= 2
 
+# tests/ by subsystem: runtime, layers, core, rungs (test_rNN_*: one rung each), serve, viz, lab,
+# bench, meta (static checks of the layout). The fast tier is every test not marked slow (the
+# tiny random model; SmolLM2, notebooks, browsers, worker ranks and servers are slow); one
+# subsystem alone: make test-core, make test-rungs...
 test: setup browser
 	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_JOBS) --dist loadgroup tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q --durations=15 -n $(FAST_JOBS) --dist loadgroup tests -m "not slow"
+
+$(PHONY_TESTS): test-%: setup
+	$(BIN)/python -m pytest -q -n $(FAST_JOBS) --dist loadgroup tests/$* -m "not slow"
 
 bench: setup
 	$(BIN)/python -m minillm bench --quick

@@ -8,7 +8,7 @@ So the template is rendered with a placeholder for each message's content, the c
 are found in the template's own text only, and the text between them (template text and user
 text together, exactly the segments the tokenizer would cut) is tokenized with special tokens
 treated as text (``split_special_tokens``). For messages without control-token text the ids are
-those of ``apply_chat_template`` (``tests/test_chat.py`` checks both).
+those of ``apply_chat_template`` (``tests/runtime/test_chat.py`` checks both).
 """
 from __future__ import annotations
 

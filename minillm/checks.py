@@ -15,7 +15,7 @@ import numbers
 # was already int32), int64 for `seed`, as vLLM's OpenAI server bounds it (torch.long; our sampler
 # seeds `random.Random`, which takes any int, and torch.Generator.manual_seed takes
 # [-2**63, 2**64 - 1]). Any accepted value is a float of at most 2**63 in magnitude:
-# core/policy.py's keys stay finite (tests/test_policy.py proves it for every policy).
+# core/policy.py's keys stay finite (tests/rungs/test_r08_policy.py proves it for every policy).
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FIELD_RANGES: dict[str, tuple[int, int]] = {

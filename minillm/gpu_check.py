@@ -46,13 +46,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "kernels", "engines", "profile", "rung12", "lora", "structured")
-TEST_FILES = ("test_engines", "test_sampling", "test_recovery", "test_soak", "test_speculative",
-              "test_speculative_rules", "test_triton_kernels", "test_kv_quant_triton",
-              "test_lora_triton", "test_lora", "test_async_scheduling", "test_batch_controller",
-              "test_block_manager", "test_kv_pool", "test_kv_quant", "test_policy",
-              "test_slo_policy", "test_dtype", "test_fused_ops", "test_model", "test_logprobs",
-              "test_sampler_controls", "test_structured_output", "test_serve_grammar",
-              "test_lora_hostile")
+TEST_FILES = ("core/test_engines", "runtime/test_sampling", "core/test_recovery",
+              "core/test_soak", "rungs/test_r06_speculative", "rungs/test_r06_speculative_rules",
+              "layers/test_triton_kernels", "layers/test_kv_quant_triton",
+              "rungs/test_r13_lora_triton", "rungs/test_r13_lora",
+              "rungs/test_r12_async_scheduling", "rungs/test_r12_batch_controller",
+              "core/test_block_manager", "core/test_kv_pool", "rungs/test_r09_kv_quant",
+              "rungs/test_r08_policy", "rungs/test_r12_slo_policy", "runtime/test_dtype",
+              "layers/test_fused_ops", "core/test_model", "runtime/test_logprobs",
+              "runtime/test_sampler_controls", "runtime/test_structured_output",
+              "serve/test_serve_grammar", "rungs/test_r13_lora_hostile")
 ENGINES = "naive,static,dynamic,paged,paged-async,hf-static,hf-generate-batch"
 PROFILE_ROWS = (1, 32, 128)
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
@@ -103,7 +106,7 @@ def run_part(name: str, cmd: list[str], budget_s: float | None, out: Path) -> di
 
 
 def tests_cmd(out: Path) -> list[str]:
-    files = [str(ROOT / "tests" / f"{f}.py") for f in TEST_FILES]
+    files = [str(ROOT / "tests" / f"{f}.py") for f in TEST_FILES]    # tests/<subsystem>/<file>
     workers = ["-n", "8"] if _has("xdist") else []
     workers += ["--timeout", "120"] if _has("pytest_timeout") else []   # a hang costs one test
     return [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",

@@ -5,13 +5,21 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from minillm import load_model
 from minillm.lab.reference import Reference, assert_greedy_match, hf_greedy, random_prompts  # noqa: F401
+
+# Tests live by subsystem (tests/runtime, layers, core, rungs, serve, viz, lab, bench, meta); their
+# basenames are unique, so a test may import another's helpers by name from any folder (the
+# serving LoRA test takes rung 13's adapters), whichever file pytest was asked to run.
+sys.path[1:1] = sorted(str(d) for d in Path(__file__).parent.iterdir()
+                       if d.is_dir() and not d.name.startswith(("_", ".")))
 
 # Two xdist workers on two cores (`make test` runs `-n 2`): one torch thread each, and the same
 # for the processes a test starts (graders, servers, workers). Two OpenMP teams of two on two

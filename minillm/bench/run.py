@@ -21,7 +21,7 @@ def run_engine(model, name: str, items, options: dict, progress: bool = True):
         return PEERS[name](model, to_requests(encoder, items), options, progress)
     llm = LLM(model, engine=name, **options_for(name, options))
     # the engine and its KV pool go when this returns (an engine keeps no reference cycle,
-    # tests/test_observe.py): a benchmark of many runs holds one pool at a time
+    # tests/runtime/test_observe.py): a benchmark of many runs holds one pool at a time
     return llm.run(to_requests(llm, items), progress=progress)
 
 

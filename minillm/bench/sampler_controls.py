@@ -4,7 +4,7 @@ Times ``sampling.apply_controls`` (issue 44: penalties, ``min_p``, ``logit_bias`
 over the batch) on ``--rows`` rows of random fp32 logits over SmolLM2's vocabulary, each row with
 a random 200-token prompt and 100-token output as its history, for each control alone and all
 together. Prints one JSON line of medians in milliseconds. The logits are random: only the time
-is measured (the values are tests/test_sampler_controls.py's).
+is measured (the values are tests/runtime/test_sampler_controls.py's).
 """
 from __future__ import annotations
 

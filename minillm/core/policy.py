@@ -9,7 +9,7 @@ The scheduler asks its policy two questions, and nothing else:
   while a request waits (its arrival, ``priority``, ``max_tokens``, and the tokens it generated
   before a preemption: tokens land only for running requests). It must also never raise: every
   integer a request carries is bounded (``minillm/checks.py``) and so are the weights
-  (``MAX_SCORE_WEIGHT``), so every key is finite (``tests/test_policy.py`` checks the extremes);
+  (``MAX_SCORE_WEIGHT``), so every key is finite (``tests/rungs/test_r08_policy.py`` checks the extremes);
   a key that raises anyway fails its own request at admission (``Scheduler.add``), no other.
 - ``preempts(candidate, victim)``: may a waiting ``candidate`` that cannot be seated (the batch is
   full at ``max_num_seqs``, or the pool has no blocks for it) evict the running ``victim``? The

@@ -4,7 +4,7 @@
 without printing the expected value; the truth is computed from the model's configuration and the
 package's own code each time, never typed in — but never by running a function an exercise asks
 students to write (in a handout those are stubs): where a question is about such a function, the
-truth is its definition's arithmetic, and ``tests/test_lab.py`` checks that arithmetic against a
+truth is its definition's arithmetic, and ``tests/lab/test_lab.py`` checks that arithmetic against a
 run of the package's own code. ``python -m minillm.lab answers`` prints the key for the teacher;
 in a handout ``Question.truth()`` refuses, as ``answers`` does.
 """

@@ -136,7 +136,7 @@ def baseline(student, probe, *args, **kwargs):
 def mixed_requests(seed: int = 0) -> list:
     """Ten requests that exercise a whole step: a shared 8-token prefix (prefix caching),
     greedy and seeded sampled rows, n = 3 samples and a beam search, prompts of 10-37 tokens.
-    Rung 12's tests and its exercise grader (tests/test_async_scheduling.py,
+    Rung 12's tests and its exercise grader (tests/rungs/test_r12_async_scheduling.py,
     graders/test_12_async.py) run it through the synchronous and the overlapped engine."""
     from ..request import Request, SamplingParams
 

@@ -22,7 +22,7 @@ not yet sampled filled in on the device): scheduling N + 1 before N's tokens lan
 for sequences that may be about to stop, and putting a token into a sequence before it is
 sampled — a second writer beside ``Request.commit``. Here N + 1 is scheduled after N committed,
 so tokens (greedy and seeded), preemption, n > 1, beams, prefix caching and speculative decoding
-are the synchronous engine's by construction (``tests/test_async_scheduling.py`` checks it);
+are the synchronous engine's by construction (``tests/rungs/test_r12_async_scheduling.py`` checks it);
 what overlaps is the host work outside the engine. Notebook 12 measures how much that is.
 
 Nothing the forward reads may change while it runs: new requests only join the waiting queue,

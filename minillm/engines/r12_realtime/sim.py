@@ -1,5 +1,5 @@
-"""Rung 12 on a clock of steps (notebook 12, ``tests/test_slo_policy.py``,
-``tests/test_batch_controller.py``): the real ``PagedEngine`` — its scheduler, policy and batch
+"""Rung 12 on a clock of steps (notebook 12, ``tests/rungs/test_r12_slo_policy.py``,
+``tests/rungs/test_r12_batch_controller.py``): the real ``PagedEngine`` — its scheduler, policy and batch
 controller — computing nothing (the visualizer's ``NullRunner``), every step billed by a cost
 model ``a + b * tokens`` ms (``step_cost``). Deadlines, TTFT and TPOT are then read on the
 scheduler's own clock (``Scheduler.now_ms``), so a run is the same on every machine and the

@@ -17,14 +17,14 @@ smallest TTFT objective that arrives, ``>= 0``). So a request arriving more than
 deadline_r - arrival_r + margin - ttft_min`` ms after r has a deadline later than r's by more than
 the margin: it never overtakes r, and r may evict it. As under ``score``, r then waits at most for
 the fixed set that arrived by ``arrival_r + D`` and ranks ahead of it (``overtake_horizon_ms``;
-``tests/test_slo_policy.py`` checks it on random streams).
+``tests/rungs/test_r12_slo_policy.py`` checks it on random streams).
 
 **Starvation bound under ``slo``.** Every deadline is at least its arrival plus ``ttft_min`` (the
 smallest TTFT objective that arrives, ``>= 0``). So a request arriving more than ``D =
 deadline_r - arrival_r + margin - ttft_min`` ms after r has a deadline later than r's by more than
 the margin: it never overtakes r, and r may evict it. As under ``score``, r then waits at most for
 the fixed set that arrived by ``arrival_r + D`` and ranks ahead of it (``overtake_horizon_ms``;
-``tests/test_slo_policy.py`` checks it on random streams).
+``tests/rungs/test_r12_slo_policy.py`` checks it on random streams).
 """
 from __future__ import annotations
 

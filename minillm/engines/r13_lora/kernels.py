@@ -13,7 +13,7 @@ deltas, Punica's two kernels (S-LoRA and vLLM use the same):
   read once for all its rows.
 
 Both touch only the rows they are given (a batch of base requests pays nothing) and return ``y``
-with the deltas added in place. ``tests/test_lora.py`` checks they agree with each other and with the merged
+with the deltas added in place. ``tests/rungs/test_r13_lora.py`` checks they agree with each other and with the merged
 weights.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ row recomputes the shrink (rank x in multiply-adds: small beside the expand it f
 no program waits for another. Rows are distinct, so no two programs write the same output.
 
 Without a GPU the kernel runs in Triton's interpreter (numpy on CPU tensors: exact, slow), as
-rung 4's kernels do: ``tests/test_lora_triton.py`` holds it to ``kernels.delta_reference``.
+rung 4's kernels do: ``tests/rungs/test_r13_lora_triton.py`` holds it to ``kernels.delta_reference``.
 """
 from __future__ import annotations
 

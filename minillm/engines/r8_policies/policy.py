@@ -27,7 +27,7 @@ nobody new overtakes r, and r may evict any such newcomer for a seat or for bloc
 as soon as the requests that arrived by ``a + D`` and rank ahead of it have been admitted — a
 fixed, finite set. With seats for S and each of those needing at most L steps (prompt chunks plus
 ``max_tokens``) in a pool that holds them, r waits at most ``D + ceil(|ahead| / S) * L`` steps
-(``tests/test_policy.py`` checks this bound on an adversarial stream that starves r under
+(``tests/rungs/test_r08_policy.py`` checks this bound on an adversarial stream that starves r under
 ``priority``).
 
 The default weights keep that bound within reach: a priority level is worth 20 steps of waiting
@@ -35,7 +35,7 @@ The default weights keep that bound within reach: a priority level is worth 20 s
 stream of priority-0 requests, with ``max_tokens`` 128, is overtaken by newcomers for at most
 ``D = (20 * 10 + 0.1 * 128 + 10) / 1 = 222`` steps; under a stream the engine keeps pace with
 (|ahead| about D plus the queue it found), its first token comes within a few hundred steps
-(``tests/test_policy.py`` checks it on the step clock). A larger ``score_priority_weight`` keeps
+(``tests/rungs/test_r08_policy.py`` checks it on the step clock). A larger ``score_priority_weight`` keeps
 classes apart longer and pushes the bound out with it: at 1000 the same request waits ~10,000
 steps, a bound no run reaches.
 """

@@ -69,7 +69,7 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
 @triton.jit
 def _encode_row(x, dst, scale_dst, QMAX: tl.constexpr):
     """Encode one row [HEAD_DIM] into the pool's storage type on write (``QMAX > 0``: a scaled
-    format, whose row scale goes to ``scale_dst``). ``tests/test_kv_quant_triton.py`` holds the
+    format, whose row scale goes to ``scale_dst``). ``tests/layers/test_kv_quant_triton.py`` holds the
     stored bytes and scales to the torch path's (``layers/kv_quant.py``) bit for bit, so the
     arithmetic below is pinned by those tests, not restated here.
 

@@ -3,7 +3,7 @@ launch the kernel it is handed. ``kernels.paged_decode(...)`` etc. hand over the
 kernels, so that is the usual way in (and this module never imports ``kernels``).
 
 This module imports without triton (like every module but ``kernels`` and ``backend``: see
-tests/test_triton_optional.py); the kernels are imported on the first launch.
+tests/layers/test_triton_optional.py); the kernels are imported on the first launch.
 
 Rung 9's narrow pools (``layers/kv_quant.py``) arrive as their two tensors: ``k_cache``/``v_cache``
 hold the stored rows (int8, fp8 or 16 bits) and ``k_scale``/``v_scale`` ``[num_blocks,

@@ -22,7 +22,7 @@ from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampl
 from minillm.lab.checks import check_block_invariants
 from minillm.request import Request
 from minillm.sampling import draw_uniform, sample_one
-from test_speculative import assert_pool_full, run
+from test_r06_speculative import assert_pool_full, run
 
 
 # --- acceptance rules ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from minillm.engines.r7_pipeline.stage import EXIT_HOOK_ENV
 from minillm.engines.r10_tensor.engine import TensorParallelEngine
 from minillm.engines.r10_tensor.timeline import summarize
 from minillm.lab.reference import random_prompts
-from test_pipeline import ROOMY, TIGHT, assert_same_as_paged, requests, shared_prefix_prompts
+from test_r07_pipeline import ROOMY, TIGHT, assert_same_as_paged, requests, shared_prefix_prompts
 
 # slow: worker processes per engine: not in make test-fast. One xdist group (`--dist loadgroup`): under
 # `make test` (two xdist workers), two files of worker ranks at once (7 processes on 2 cores) once
@@ -182,7 +182,7 @@ def test_torchrun_cli_equals_single_process_cli(tmp_path):
     import subprocess
     import sys
 
-    from test_pipeline import free_port
+    from test_r07_pipeline import free_port
 
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"prompt_token_ids": [5, 6, 7], "n": 2, '

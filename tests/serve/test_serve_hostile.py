@@ -28,7 +28,7 @@ from minillm import LLM, Request, SamplingParams
 from minillm.request import RequestError
 from serve_util import free_port, offline, running_server, server, wait_until  # noqa: F401 (fixtures)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 BIG = 50 * 1024 * 1024
 

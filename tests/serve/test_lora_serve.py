@@ -121,7 +121,7 @@ def test_a_served_mixed_batch_equals_hugging_face_on_each_merged_model(tiny, tmp
 
     from conftest import assert_greedy_match, hf_greedy, random_prompts
     from minillm.engines.r13_lora.peft_files import merged_model, read_adapter
-    from test_lora import ADAPTERS
+    from test_r13_lora import ADAPTERS
 
     loras, models = {}, {None: tiny}
     for seed, (name, (r, targets, rslora)) in enumerate(ADAPTERS.items()):

@@ -10,7 +10,7 @@ from pathlib import Path
 from minillm.engines import REGISTRY
 from minillm.lab.exercises import EXERCISES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 350
 README_MAX_LINES = 350
 

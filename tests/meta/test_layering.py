@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "minillm"
+PKG = Path(__file__).resolve().parents[2] / "minillm"
 VIEWS = [PKG / "serve", PKG / "viz", PKG / "__main__.py", PKG / "llm.py"]
 
 

@@ -35,7 +35,7 @@ triton = pytest.importorskip("triton")
 from minillm.layers.attention.reference import (  # noqa: E402
     AttentionMetadata, TorchAttention, paged_attention)
 # Importing TritonAttention calls require_triton(): where the kernels cannot run, collecting this
-# file fails here, saying why (tests/test_triton_optional.py checks that logic).
+# file fails here, saying why (tests/layers/test_triton_optional.py checks that logic).
 from minillm.layers.attention.triton import TritonAttention  # noqa: E402
 from minillm.layers.attention.triton import kernels  # noqa: E402
 from minillm.layers.kv_quant import FORMATS, QuantizedPool, dequantize  # noqa: E402

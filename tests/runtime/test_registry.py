@@ -64,7 +64,7 @@ def module_imports() -> dict[str, set[str]]:
     functions and under ``TYPE_CHECKING`` run later, so they cannot form a cycle)."""
     import ast
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     graph: dict[str, set[str]] = {}
     for path in (root / "minillm").rglob("*.py"):
         parts = list(path.relative_to(root).with_suffix("").parts)

@@ -1,7 +1,7 @@
 """Rung 6, speculative decoding on the engine: greedy output equals the plain paged engine token
 for token (and Hugging Face's) with preemption, prefix caching and small budgets, beside n > 1 and
 beam requests, on tiny-llama and SmolLM2; the soak test with speculation; configuration, CLI,
-bench and abort/reset. The acceptance rules and the block books: test_speculative_rules.py."""
+bench and abort/reset. The acceptance rules and the block books: test_r06_speculative_rules.py."""
 from __future__ import annotations
 
 import random

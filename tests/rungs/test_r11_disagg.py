@@ -21,7 +21,7 @@ from minillm.dist.comm import WorkerError
 from minillm.engines.r11_disagg.engine import DisaggEngine
 from minillm.lab.reference import random_prompts
 from minillm.request import RequestError
-from test_pipeline import (ROOMY, TIGHT, assert_same_as_paged, reference, requests, samples,
+from test_r07_pipeline import (ROOMY, TIGHT, assert_same_as_paged, reference, requests, samples,
                            shared_prefix_prompts)
 
 # slow: two processes per engine: not in make test-fast. One xdist group (`--dist loadgroup`): under

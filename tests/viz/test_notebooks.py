@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 EXPECTED = ["00_naive_loop", "01_static_batching", "02_dynamic_batching", "03_block_manager",
             "04_triton_kernels", "05_fragmentation_visualizer", "06_speculative_decoding",

@@ -24,7 +24,7 @@ from minillm.engines.r6_speculative import SpecTrace
 from minillm.lab.checks import check_block_invariants
 from minillm.viz.traces import replay_trace, record_paged_run, trace_from_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mixed_requests(llm, seed=3):

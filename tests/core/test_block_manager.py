@@ -1,6 +1,6 @@
 """Property-based tests of the block manager and the scheduler.
 
-The lab's graders (``minillm/lab/graders``) hold the random-operation invariants; ``tests/test_lab.py``
+The lab's graders (``minillm/lab/graders``) hold the random-operation invariants; ``tests/lab/test_lab.py``
 runs every grader on the package's own code, so students and the engine are held to the same
 checks. Only what the exercises do not cover is written here.
 """

@@ -24,7 +24,7 @@ from minillm.engines import get_attention_backend
 from minillm.layers.attention import cpp as cpu_attention, cpp_build
 from minillm.layers.attention.cpp_build import BUILDING, current_inputs, kernel_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = cpu_attention._SOURCE
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),

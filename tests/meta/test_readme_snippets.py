@@ -8,7 +8,7 @@ from pathlib import Path
 from minillm import FinishReason
 from minillm.jsonl import read_lines
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_a_finish_reason_prints_as_its_value(capsys):

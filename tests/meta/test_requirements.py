@@ -26,7 +26,7 @@ from packaging.version import Version
 
 pytestmark = pytest.mark.slow      # needs the network (uv resolves on PyPI): not in make test-fast
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INDEX = "https://pypi.org/simple"
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")   # pyproject's requires-python, up to the newest
 PLATFORMS = {                            # name: (uv --python-platform, MACOSX_DEPLOYMENT_TARGET)
