@@ -79,7 +79,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """One flag per option of any engine (``--block-size`` for ``block_size``, plus the aliases
-    and help its config field's metadata gives, ``minillm/core/config.py``)."""
+    and help its config field's metadata gives, ``minillm/runtime/config.py``)."""
     from .engines import all_options
 
     g = p.add_argument_group("engine options (from the engines' config dataclasses)")

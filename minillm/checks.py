@@ -8,14 +8,14 @@ import math
 import numbers
 
 # The range of every integer a user can send (HTTP, a JSONL line, the Python API), checked when a
-# SamplingParams or Request is made. Unbounded, a 400-digit max_tokens or priority passed every
-# check and reached the score policy's float arithmetic inside the scheduler's step
+# SamplingParams or Request is made. Unbounded, a 400-digit max_tokens or priority would pass
+# every check and reach the score policy's float arithmetic inside the scheduler's step
 # (OverflowError: int too large to convert to float), failing every request in flight. The
-# bounds are vLLM's C types: int32 for counts, token ids and priority (the server's `priority`
-# was already int32), int64 for `seed`, as vLLM's OpenAI server bounds it (torch.long; our sampler
-# seeds `random.Random`, which takes any int, and torch.Generator.manual_seed takes
-# [-2**63, 2**64 - 1]). Any accepted value is a float of at most 2**63 in magnitude:
-# core/policy.py's keys stay finite (tests/rungs/test_r08_policy.py proves it for every policy).
+# bounds are vLLM's C types: int32 for counts, token ids and priority, int64 for `seed`, as
+# vLLM's OpenAI server bounds it (torch.long; our sampler seeds `random.Random`, which takes
+# any int, and torch.Generator.manual_seed takes [-2**63, 2**64 - 1]). Any accepted value is a
+# float of at most 2**63 in magnitude:
+# rung 8's and 12's policy keys stay finite (tests/rungs/test_r08_policy.py proves it for every policy).
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FIELD_RANGES: dict[str, tuple[int, int]] = {

@@ -13,7 +13,7 @@ knowing there runs from one call and prints one table:
    the same requests (``python -m minillm bench``);
 4. ``profile``: where a decode step's time goes on the GPU -- the step's wall time against the
    time the device spent in kernels (``torch.profiler``), at 1, 32 and 128 running sequences;
-5. what the round's rungs change on a GPU: ``rung12`` (``minillm.bench.async_step``: the step
+5. what three features change on a GPU: ``rung12`` (``minillm.bench.async_step``: the step
    with and without ``async_scheduling``, and the host time the overlap hid), ``lora``
    (``minillm.bench.lora`` with each adapter kernel, Triton's natively) and ``structured``
    (``minillm.bench.structured_mask``: a JSON schema's mask per step at 64 rows).
@@ -22,7 +22,7 @@ Each part runs in its own process under its own time budget, so one that hangs o
 leaves the others' numbers; logs and JSON land in ``--out``. Without CUDA it refuses unless
 ``--allow-cpu`` (a dry run of the plumbing: ``--model tiny-llama --budgets none``: the budgets
 are sized for a GPU's minutes, and a CPU on a busy machine may need longer for the same part).
-Results of the first run (an H200) are in docs/RESULTS.md, "On a lent GPU".
+Results from an H200 are in docs/RESULTS.md, "On a lent GPU".
 
 The lent machine has torch, triton, transformers, pytest and hypothesis but not the server's
 packages: carry their wheels (the device tool's README says how) for the tests that start a

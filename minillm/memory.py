@@ -34,12 +34,8 @@ memory and says who holds what; it draws nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:        # a type hint only: the core imports this module
-    from .core.sequence import Sequence
 
 FREE, TOKEN, PADDING, RESERVED, CACHED, TAIL = 0, 1, 2, 3, 4, 5
 INTERNAL = (PADDING, TAIL)                       # internal fragmentation
@@ -167,14 +163,15 @@ def rectangle_counts(rows: list[tuple[str, int, int, int]] | list[None], width: 
 
 
 def paged_snapshot(engine: str, step: int, bytes_per_slot: int, block_size: int,
-                   ref_counts: list[int], cached_blocks: list[int], seqs: list[Sequence],
+                   ref_counts: list[int], cached_blocks: list[int],
+                   tables: list[tuple[str, int, list[int]]],
                    fill: dict[int, int]) -> MemorySnapshot:
     """Snapshot of a paged KV pool (rung 3, ``BlockManager``): one row per physical block, one
     column per slot.
 
     ``ref_counts[b]``: the sequences holding block b; ``cached_blocks``: free blocks the prefix
-    cache keeps; ``seqs``: the live sequences in the scheduler's order (the first holder of a
-    shared block is drawn as its owner); ``fill[b]``: slots of held block b holding a computed
+    cache keeps; ``tables``: (request id, sequence id, block table) of the live sequences in the
+    scheduler's order (the first holder of a shared block is drawn as its owner); ``fill[b]``: slots of held block b holding a computed
     token (shared blocks counted once), the rest of a held block is its tail.
     """
     kind = np.full((len(ref_counts), block_size), FREE, dtype=np.int8)
@@ -182,18 +179,17 @@ def paged_snapshot(engine: str, step: int, bytes_per_slot: int, block_size: int,
     owners: list[str] = []
     for bid in cached_blocks:
         kind[bid] = CACHED
-    for s in seqs:
-        rid = s.request.request_id
+    for rid, _, table in tables:
         if rid not in owners:
             owners.append(rid)
-        for bid in s.block_table:
+        for bid in table:
             if owner[bid, 0] == -1:    # first holder is drawn as the owner of a shared block
                 owner[bid] = owners.index(rid)
                 kind[bid] = TAIL          # internal fragmentation until filled
                 kind[bid, :fill.get(bid, 0)] = TOKEN
     return MemorySnapshot(engine, step, kind, owner, owners, bytes_per_slot, "block",
                           np.array(ref_counts),
-                          extra={"block_tables": {s.seq_id: list(s.block_table) for s in seqs},
+                          extra={"block_tables": {sid: list(table) for _, sid, table in tables},
                                  "cached_blocks": int((kind[:, 0] == CACHED).sum())},
                           layout="blocks")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .layers.attention import choose_triton_mode
+from .layers.attention.triton_mode import choose_triton_mode
 
 # Triton picks native kernels or its CPU interpreter when it is first imported, and loading a
 # transformers model class imports it: without CUDA, choose the interpreter before any load here.

@@ -136,6 +136,13 @@ class Request:
             self.prompt_logprobs = [None]    # the first token has nothing before it
 
     @property
+    def cache_salt(self) -> tuple | None:
+        """What this request's K/V depend on besides its tokens (vLLM's block-hash extra keys):
+        its LoRA adapter (rung 13), or None. Its prefix-cache blocks are hashed from it, so
+        requests with different salts never share a cached block."""
+        return None if self.lora_request is None else ("lora", self.lora_request.lora_name)
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
 

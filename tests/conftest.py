@@ -48,12 +48,12 @@ def _resident_bytes() -> int:
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_engines_left_in_cycles():
-    """After each test file, a process holding over 3 GB collects its garbage. Engines no longer
+    """After each test file, a process holding over 3 GB collects its garbage. Engines do not
     sit in reference cycles (test_observe.py checks it), but a test can still leave a big object in
     one (a traceback keeping frames, a fixture's closure), and a cycle lives until a full
-    collection, which a big heap rarely runs. When engines were in cycles, the two workers of
-    `make test` grew to 5-6 GB each, and with a notebook's kernel beside them the machine's 24 GB
-    ran out (2026-11-27). A collection costs ~0.25 s, so only a process that holds that much pays."""
+    collection, which a big heap rarely runs. With engines in cycles, the two workers of
+    `make test` grow to 5-6 GB each, and with a notebook's kernel beside them a 24 GB machine
+    runs out. A collection costs ~0.25 s, so only a process that holds that much pays."""
     yield
     if _resident_bytes() > 3 * 2**30:
         gc.collect()

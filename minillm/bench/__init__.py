@@ -1,4 +1,4 @@
-"""Measuring the engine, apart from the engine (issue 41): nothing here serves a request.
+"""Measuring the engine, apart from the engine: nothing here serves a request.
 
 - ``offline.py`` -- ``python -m minillm bench``: every engine and peer on one workload, the
   step-3 experiments (``kv.py``: rung 9's capacity per KV format);

@@ -285,7 +285,7 @@ def span(values: list[float], most_only: bool) -> str:
 
 
 def side_by_side(results: dict[str, dict]) -> str:
-    """One table, a column per server: the metrics the issue's targets are stated in."""
+    """One table, a column per server: the metrics serving targets are stated in."""
     names = list(results)
     rows = [("output tok/s", "output_throughput", "{:.1f}"),
             ("request throughput (req/s)", "request_throughput", "{:.2f}"),

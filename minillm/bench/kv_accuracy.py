@@ -79,8 +79,8 @@ def greedy_outputs(model, prompts: list[dict], kv_cache_dtype: str, max_tokens: 
                    **options) -> list[list[int]]:
     from .. import LLM, SamplingParams
     # the engine and its pool (1 GiB by default) go when this returns: an engine keeps no
-    # reference cycle (tests/runtime/test_observe.py). When it did, each format's pool waited for the
-    # garbage collector and notebook 09's kernel reached 9 GB and was killed for memory.
+    # reference cycle (tests/runtime/test_observe.py). With one, each format's pool would wait for
+    # the garbage collector, and notebook 09's kernel would reach 9 GB.
     llm = LLM(model, engine="paged", kv_cache_dtype=kv_cache_dtype, **options)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
                         progress=False)

@@ -1,5 +1,5 @@
 """lm-evaluation-harness against ``minillm serve``, beside lm-eval's own Hugging Face backend on
-the same tasks (issue 44, "checked from outside"; the serving rung, docs/SERVING.md):
+the same tasks, the server checked from outside (the serving rung, docs/SERVING.md):
 ``python -m minillm.bench.lm_eval``, ``make eval``.
 
 Two small tasks ship with the package (``minillm/data/lm_eval/``: a JSONL and a task YAML each,

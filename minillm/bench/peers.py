@@ -144,8 +144,8 @@ def _cb_config(model: LoadedModel, requests: list[Request], page_size: int,
     evictions, which would re-prefill a request and lose its early per-token timestamps."""
     need = sum(math.ceil((r.prompt_len + r.params.max_tokens) / page_size) for r in requests)
     budget = kv_cache_bytes // (page_size * model.kv_bytes_per_token)
-    # transformers renamed the cache block's size: ``block_size`` in 5.17, ``page_size`` in 5.23
-    # (requirements.txt allows both; a lent GPU's 5.17 found the old name, minillm.gpu_check)
+    # transformers calls the cache block's size ``block_size`` in 5.17, ``page_size`` in 5.23
+    # (requirements.txt allows both)
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     size = {"page_size" if "page_size" in names else "block_size": page_size}
     return ContinuousBatchingConfig(**size, num_blocks=max(1, min(need + 1, budget)),

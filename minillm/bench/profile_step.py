@@ -5,7 +5,7 @@ answer), then K decode steps are timed, and one more batch of steps runs under `
 to split the step into components: the linear layers, attention (everything inside
 ``paged_attention``: writing the new K/V, reading the cache, the softmax), the rest of the forward
 (norms, RoPE, embedding), the vocabulary projection, sampling, and the engine's own Python
-(scheduling, block manager, postprocess).
+(scheduling, block manager, the commit point).
 
 Beside each row, the floor: the same model's linear layers alone on N rows, through the fastest
 linear kernel here (oneDNN on weights reordered once, as ``torch.compile(freezing=True)`` would

@@ -1,6 +1,6 @@
 """What the sampler's controls cost per step: ``python -m minillm.bench.sampler_controls``.
 
-Times ``sampling.apply_controls`` (issue 44: penalties, ``min_p``, ``logit_bias``, vectorized
+Times ``sampling.apply_controls`` (penalties, ``min_p``, ``logit_bias``, vectorized
 over the batch) on ``--rows`` rows of random fp32 logits over SmolLM2's vocabulary, each row with
 a random 200-token prompt and 100-token output as its history, for each control alone and all
 together. Prints one JSON line of medians in milliseconds. The logits are random: only the time

@@ -64,7 +64,7 @@ def beam_step(group: SequenceGroup, bm: KVAllocator, eos_ids: set[int], max_mode
               select=select_beams) -> tuple[BeamChoice, list[tuple[Sequence, int]]] | None:
     """Advance ``group``'s beams by one token once every beam has its log-probabilities; return
     the choice made and the (beam, token) continuations for the scheduler to append
-    (``StepCommit._land``, core/commit.py), or None while a beam still waits. ``select`` makes the choice (the
+    (``StepCommit._append``, core/commit.py), or None while a beam still waits. ``select`` makes the choice (the
     visualizer passes one that replays a recorded search)."""
     beams = group.seqs
     if any(b.pending_logprobs is None for b in beams):

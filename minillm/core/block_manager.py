@@ -17,11 +17,10 @@ Blocks are shared, never copied, when contents are the same:
 """
 from __future__ import annotations
 
-import weakref
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Hashable
 
 from ..memory import KVCounts, MemorySnapshot, paged_snapshot
 from ..request import Request
@@ -42,11 +41,6 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
-def no_seed(request: Request) -> None:
-    """A block's contents depend on its tokens alone (every rung but 13)."""
-    return None
-
-
 def blocks_for_request(prompt_len: int, num_output_tokens: int, width: int, block_size: int) -> int:
     """The most blocks one request can hold at once when it runs alone: the prompt's blocks, plus
     for each of ``width`` samples or beams its output's blocks and one copied-on-write block (the
@@ -64,14 +58,11 @@ class BlockManager:
     drives (the visualizer's contiguous allocators implement the same one). Its geometry is a
     ``minillm.core.config.CacheConfig``'s, checked there."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 hash_seed: Callable[[Request], Hashable] | None = None):
-        """``hash_seed(request)``: what a request's K/V depend on besides its tokens (rung 13: its
-        LoRA adapter), the start of its blocks' hash chain; requests with different seeds never
-        share a cached block. None: the tokens alone."""
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        """A block's hash chain starts from its request's ``cache_salt`` (what its K/V depend on
+        besides its tokens; None for most): requests with different salts never share a block."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hash_seed = hash_seed or no_seed
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = least recently freed). An OrderedDict gives O(1)
         # removal from the middle, needed when a prefix-cache hit revives a free block.
@@ -235,7 +226,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
             return 0      # prompt logprobs need every prompt position's logits: none cached
         for h, key in self._keys(seq.token_ids, (seq.num_tokens - 1) // self.block_size,
-                                 self.hash_seed(seq.request)):
+                                 seq.request.cache_salt):
             bid = self.cached.get(h)
             if bid is None or self.blocks[bid].key != key:   # miss, or a hash collision
                 break
@@ -264,7 +255,7 @@ class BlockManager:
             return
         # num_computed_tokens may run ahead of the tokens by this step's guesses (rung 6)
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        for i, (h, key) in enumerate(self._keys(seq.token_ids, full, self.hash_seed(seq.request))):
+        for i, (h, key) in enumerate(self._keys(seq.token_ids, full, seq.request.cache_salt)):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.cached:
                 block.hash, block.key = h, key
@@ -306,12 +297,6 @@ class BlockManager:
                  head: Request | None = None) -> MemorySnapshot:
         """The pool as a grid, one row per physical block (drawn by ``memory.paged_snapshot``)."""
         return paged_snapshot(engine, step, bytes_per_slot, self.block_size, self.ref_counts(),
-                              self.cached_blocks(), seqs, self._fill(seqs))
-
-
-def weak_method(method: Callable) -> Callable:
-    """``method``, bound to an engine, for a part the engine owns to call back without keeping
-    the engine alive: a strong reference back is a reference cycle, and the engine's KV pool
-    would then wait for the garbage collector after its last user let it go."""
-    ref = weakref.WeakMethod(method)
-    return lambda *args: ref()(*args)
+                              self.cached_blocks(),
+                              [(s.request.request_id, s.seq_id, s.block_table) for s in seqs],
+                              self._fill(seqs))

@@ -1,21 +1,21 @@
 """The one commit point of a step: what the forward pass and the sampler produced joins the
-requests (nano-vllm's ``Scheduler.postprocess``; notebook 03).
+requests (vLLM's ``Scheduler.update_from_output``; notebook 03).
 
-``StepCommit`` is the scheduler's second half: ``commit_computed`` counts the K/V the forward pass
-wrote (and forks n > 1 samples), ``postprocess`` lands sampled tokens through ``_land`` — the only
-place tokens, first-token times and stop checks happen (``Request.commit``) — advances beams and
-frees what finished. ``core/scheduler.py`` plans the step; this module commits it.
+``StepCommit`` is the scheduler's second half: ``update_after_forward`` counts the K/V the forward
+wrote (and forks n > 1 samples, whose rows the sampler then draws from), ``update_from_output``
+commits the sampled tokens through ``_append`` — the only place tokens, first-token times and stop
+checks happen (``Request.commit``) — advances beams and frees what finished.
+``core/scheduler.py`` plans the step; this module commits it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from ..logprobs import TokenLogprobs
 from ..request import FinishReason, Request
 from .allocator import KVAllocator
 from .beam import BeamChoice, beam_step
+from .sampler import SamplerOutput
 from .sequence import Sequence, SequenceGroup
 
 SelectBeams = Callable[[SequenceGroup, set[int], int], BeamChoice]
@@ -35,7 +35,7 @@ class StepCommit:
     def finish(self, group: SequenceGroup) -> None:
         raise NotImplementedError
 
-    def commit_computed(self, out: SchedulerOutput) -> None:
+    def update_after_forward(self, out: SchedulerOutput) -> None:
         """The forward pass wrote these tokens' K/V: count them, offer full blocks to the cache
         (a block holding guesses is never offered: ``cache_full_blocks`` hashes tokens only),
         and fork the n - 1 other samples of a request whose prompt is now computed."""
@@ -44,14 +44,6 @@ class StepCommit:
             self.allocator.cache_full_blocks(seq)
             if seq.request.params.n > 1 and seq.num_computed_tokens == seq.num_tokens:
                 self.groups[seq.request.request_id].fork_samples(seq, self.allocator)
-
-    def commit_prompt_logprobs(self, found: list[tuple[Sequence, int, list[TokenLogprobs]]]
-                               ) -> None:
-        """Land the prompt log-probabilities a forward computed (``ModelRunner.run``): for each
-        sequence, those of its prompt tokens ``first``, ``first + 1``... (``Request.commit_prompt_
-        logprobs`` keeps the order and skips what a preempted request already had)."""
-        for seq, first, entries in found:
-            seq.request.commit_prompt_logprobs(first, entries)
 
     def rows_to_sample(self, reached: list[Sequence]) -> list[tuple[int, Sequence]]:
         """(logits row, sequence) pairs to sample: each sequence that reached its newest token,
@@ -65,13 +57,16 @@ class StepCommit:
             rows.append((i, seq))
         return rows
 
-    def postprocess(self, tokens: list[tuple[Sequence, int]],
-                    beam_logprobs: list[tuple[Sequence, torch.Tensor]],
-                    accepted: dict[Sequence, list[int]] | None = None) -> list[Request]:
-        """Append sampled tokens, advance beams, free what finished; return finished requests.
-        ``accepted`` (rung 6): the tokens each speculating sequence keeps — a prefix of its
-        guesses plus the target's own token; the K/V of the rejected guesses is given back."""
-        accepted = accepted or {}
+    def update_from_output(self, sampled: SamplerOutput) -> list[Request]:
+        """The one commit point of a step's output (vLLM's name): prompt log-probabilities
+        (``Request.commit_prompt_logprobs`` keeps their order and skips what a preempted request
+        already had), sampled tokens appended, guesses kept or given back (rung 6's
+        ``accepted``: a prefix of the guesses plus the target's own token), beams advanced,
+        what finished freed; returns the requests that finished."""
+        for seq, first, entries in sampled.prompt_logprobs:
+            seq.request.commit_prompt_logprobs(first, entries)
+        tokens, beam_logprobs = sampled.tokens, sampled.beam_logprobs
+        accepted = sampled.accepted or {}
         touched: dict[int, SequenceGroup] = {}
         for seq, *_ in tokens + beam_logprobs + list(accepted.items()):
             group = self.groups[seq.request.request_id]
@@ -79,7 +74,7 @@ class StepCommit:
         for seq, kept in accepted.items():
             self._accept(seq, kept)
         for seq, token, *logprobs in tokens + [(s, kept[-1]) for s, kept in accepted.items()]:
-            self._land(seq, [token], logprobs=logprobs or None)   # logprobs: [one dict] if asked
+            self._append(seq, [token], logprobs=logprobs or None)   # logprobs: [one dict] if asked
         for seq, logprobs in beam_logprobs:
             seq.pending_logprobs = logprobs
         finished = []
@@ -95,20 +90,20 @@ class StepCommit:
         the last kept token, which is the target's own and has no K/V yet), free the rest."""
         seq.spec_token_ids = []
         self.allocator.truncate(seq, seq.num_tokens + len(kept) - 1)
-        self._land(seq, kept[:-1])      # none of them stops it: verify cut after the first stop
+        self._append(seq, kept[:-1])      # none of them stops it: verify cut after the first stop
         self.allocator.cache_full_blocks(seq)                  # full blocks of kept tokens only
 
     def _advance_beams(self, group: SequenceGroup) -> None:
-        """One beam-search step (``beam.py``); its continuations land here, like any token."""
+        """One beam-search step (``beam.py``); its continuations are appended like any token."""
         stepped = beam_step(group, self.allocator, self.eos_ids, self.max_model_len, self.select_beams)
         if stepped is not None:
             choice, continuations = stepped
             self.emit("beam", group.request.request_id, choice)
             group.request.commit(None, (), self.eos_ids, self.max_model_len)   # first-token time
             for seq, token in continuations:
-                self._land(seq, [token], beam=True)
+                self._append(seq, [token], beam=True)
 
-    def _land(self, seq: Sequence, tokens: list[int], beam: bool = False,
+    def _append(self, seq: Sequence, tokens: list[int], beam: bool = False,
               logprobs: list[TokenLogprobs] | None = None) -> None:
         """The one place a step's tokens join a sequence: committed to its request's sample
         (``Request.commit``: stop checks, first-token time, each token's ``logprobs``), then to

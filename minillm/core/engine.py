@@ -4,8 +4,9 @@ One step, data flowing one way, in the one step loop every paged rung runs (``_s
 
     launch:  propose -> Scheduler.schedule (tokens within the budget, KV slots reserved)
              -> executor.submit(execute): copy-on-write copies, one forward over the batch
-    land:    wait -> record the step's time -> commit_computed (K/V counted, samples forked)
-             -> Sampler (a token per sequence that reached its end) -> verify -> postprocess
+    land:    wait -> record the step's time -> update_after_forward (K/V counted, samples
+             forked) -> Sampler (a token per sequence that reached its end) -> verify
+             -> update_from_output (the one commit point: tokens appended, stops, frees)
 
 ``executor`` (``core/executor.py``) says where a forward runs and how many steps are in flight:
 inline and one (rung 3), through the ranks (rung 7), on a worker thread one ahead (rung 12).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Hashable
 
 import torch
 from torch.profiler import record_function
@@ -29,14 +29,14 @@ from ..layers.fused import layer_ops
 from ..layers.kv_quant import get_format
 from ..layers.linear import get_linear_kernel
 from .beam import select_beams as core_select_beams
-from .block_manager import BlockManager, weak_method
+from .block_manager import BlockManager
 from .config import CacheConfig, SchedulerConfig
-from .executor import Executor, InlineExecutor, LaunchedStep, split_step_time, timed
+from .executor import Executor, InlineExecutor, LaunchedStep, split_step_time
 from .idle import IdleSteps
 from .budget import BatchController
 from .policy import SchedulingPolicy
 from .runner import ModelRunner
-from .sampler import Sampler, split_lookahead
+from .sampler import Sampler, SamplerOutput, split_lookahead
 from .scheduler import Scheduler, SchedulerOutput, SequenceGroup
 from .sequence import Sequence
 
@@ -69,8 +69,7 @@ class PagedEngine(Engine):
         if block_manager is None:
             num_blocks = cache.num_blocks_for(self.kv_bytes_per_token, self.max_model_len,
                                               limits.max_num_seqs)
-            block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                         weak_method(self.prefix_seed))
+            block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         elif runner is None:
             raise ValueError("block_manager= replaces the KV layout the model runner reads: "
                              "pass a runner for it too")
@@ -221,17 +220,21 @@ class PagedEngine(Engine):
         return self.scheduler.schedule()
 
     def launch(self, step: LaunchedStep) -> LaunchedStep:
-        step.handle = self.executor.submit(timed, self.execute, step.sched)   # inline: computed now
+        step.handle = self.executor.submit(self._forward, step.sched)   # inline: computed now
         return step
 
-    def execute(self, sched: SchedulerOutput):
-        """The forward pass over ``sched`` (K/V written): the sequences that reached their newest
-        token and their logits rows (observers see its span: ``"executed"``)."""
+    def _forward(self, sched: SchedulerOutput) -> tuple:
+        """``execute``, timed once: its span for observers (``"executed"``), its ms for the step."""
         start = time.perf_counter()
+        result = self.execute(sched)
+        end = time.perf_counter()
+        self.observers.emit("executed", data=(start, end))
+        return result, (end - start) * 1000.0
+
+    def execute(self, sched: SchedulerOutput):
+        """Copies, then the forward over ``sched``: (sequences at their newest token, logits)."""
         self.runner.copy_blocks(sched.copies)
-        result = self.runner.run(sched.scheduled)
-        self.observers.emit("executed", data=(start, time.perf_counter()))
-        return result
+        return self.runner.run(sched.scheduled)
 
     def wait(self, step: LaunchedStep) -> tuple:
         """``step``'s (forward result, ms), kept on it: a step received is never waited for again."""
@@ -248,16 +251,13 @@ class PagedEngine(Engine):
                        out: StepOutput) -> None:
         self.record_step_time(out, step.sched, forward_ms)
         if not step.committed:
-            self.scheduler.commit_computed(step.sched)
+            self.scheduler.update_after_forward(step.sched)
         self.finish_step(result, out)
 
     def finish_step(self, result, out: StepOutput) -> None:
-        """What becomes of ``execute``'s result once its K/V are committed: prompt logprobs (for
-        the requests that asked) and tokens."""
+        """``execute``'s result, its K/V counted: tokens (and asked-for prompt logprobs) in."""
         reached, logits, *prompt = result      # a runner that computes nothing returns two
-        if prompt and prompt[0]:
-            self.scheduler.commit_prompt_logprobs(prompt[0])
-        self.complete(reached, logits, out)
+        self.complete(reached, logits, out, prompt[0] if prompt else [])
 
     def _take_aborted(self) -> StepOutput:     # a step's output starts with the aborted ones
         out = StepOutput(finished=self.aborted)
@@ -278,28 +278,23 @@ class PagedEngine(Engine):
         self.idle_steps.check(self.scheduler, bool(out.finished), self.total_steps)
         return out
 
-    def complete(self, reached: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
-        """Turn a forward's logits into tokens and commit them: sample one row per sequence (n > 1
-        samples fork here, sharing their prompt's row), hand the 1 + k rows of each sequence with
-        guesses to ``verify``, then ``postprocess`` appends, finishes and frees. Observers see
-        the pool at its fullest first (phase "computed": every K/V written, nothing committed)."""
+    def complete(self, reached: list[Sequence], logits: torch.Tensor, out: StepOutput,
+                 prompt_logprobs: list = ()) -> None:
+        """Logits -> tokens, committed: a row per sequence (n > 1 samples share their prompt's),
+        the 1 + k rows of a sequence with guesses to ``verify``, then ``update_from_output``.
+        Observers see the pool at its fullest first ("computed": nothing committed yet)."""
         self.observers.emit("computed", data=reached)
         seqs, logits, lookahead = split_lookahead(reached, logits)
         with record_function("minillm::sample"):
             tokens, beam_logprobs = self.sampler(logits, self.scheduler.rows_to_sample(seqs))
         accepted = self.verify(lookahead) if lookahead else None
-        out.finished += self.scheduler.postprocess(tokens, beam_logprobs, accepted)
+        sampled = SamplerOutput(tokens, beam_logprobs, accepted, list(prompt_logprobs))
+        out.finished += self.scheduler.update_from_output(sampled)
 
     # --- extension points (rung 6 guesses ahead) ----------------------------------------------------
     def propose(self) -> None:
         """Before scheduling: give running sequences guesses (``Sequence.spec_token_ids``) for the
         scheduler to plan as extra tokens. Rung 3 guesses nothing."""
-
-    def prefix_seed(self, request: Request) -> Hashable:
-        """What a request's K/V depend on besides its tokens: its prefix-cache blocks are hashed
-        from it, so requests with different seeds never share one. Rung 3: nothing (None); rung
-        13: the request's LoRA adapter."""
-        return None
 
     def verify(self, lookahead: dict[Sequence, torch.Tensor]) -> dict[Sequence, list[int]]:
         """The tokens each sequence keeps of its guesses (plus the target's own next token), from

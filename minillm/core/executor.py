@@ -21,7 +21,6 @@ until its step has landed (``PagedEngine.abort``): its blocks are being written.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -77,13 +76,6 @@ class InlineExecutor:
 
     def describe(self) -> dict:
         return {}
-
-
-def timed(fn: Callable[..., Any], *args) -> tuple[Any, float]:
-    """``fn(*args)`` and the milliseconds it took: a step's forward time, measured once here."""
-    t = time.perf_counter()
-    result = fn(*args)
-    return result, (time.perf_counter() - t) * 1000.0
 
 
 def split_step_time(out: StepOutput, sched: SchedulerOutput, ms: float) -> None:

@@ -11,6 +11,8 @@ model runner for one that computes nothing: same scheduler, same blocks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..logprobs import TokenLogprobs, token_logprobs
@@ -21,6 +23,18 @@ from .sequence import Sequence
 # (sequence, token) or (sequence, token, its logprobs) when the request asks for them
 Tokens = list[tuple[Sequence, int] | tuple[Sequence, int, TokenLogprobs]]
 BeamLogprobs = list[tuple[Sequence, torch.Tensor]]
+
+
+@dataclass
+class SamplerOutput:
+    """What a step's logits became, for the commit point (``Scheduler.update_from_output``):
+    tokens, beams' log-probabilities, the tokens each speculating sequence keeps (rung 6's
+    ``verify``) and the prompt log-probabilities the forward computed."""
+
+    tokens: Tokens
+    beam_logprobs: BeamLogprobs
+    accepted: dict[Sequence, list[int]] | None = None
+    prompt_logprobs: list = field(default_factory=list)   # (sequence, first token, entries)
 
 
 class Sampler:

@@ -70,7 +70,7 @@ class SchedulerOutput:
 
 class Scheduler(StepCommit):
     """Owns the requests in flight (``groups``) and the KV allocator (the ``BlockManager``, or
-    any other ``minillm.core.allocator.KVAllocator``): ``schedule`` decides a step, ``postprocess``
+    any other ``minillm.core.allocator.KVAllocator``): ``schedule`` decides a step, ``update_from_output``
     (``core/commit.py``) commits it (tokens appended, samples forked, finished ones freed). Its
     limits are a ``minillm.core.config.SchedulerConfig``'s, checked there."""
 
@@ -212,7 +212,8 @@ class Scheduler(StepCommit):
         ranks below it (``_preempt_for``, never one in ``c.exclude``) and try again; otherwise
         nobody overtakes it. One that ``c.admit`` refuses is skipped (as in vLLM)."""
         admitted, at = 0, 0
-        while at < len(self.waiting) and budget > 0 and (c.max_new is None or admitted < c.max_new):
+        while at < len(self.waiting) and budget > 0 and \
+                (c.max_new is None or admitted < c.max_new):
             group = self.waiting[at]
             if group in out.preempted:          # not re-admitted in the step it was preempted
                 break

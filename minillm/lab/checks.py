@@ -1,8 +1,9 @@
 """Checks the graders share with the project's own tests: the books of a block manager.
 
 The books are read into plain data (``book_state``) and judged on that data (``check_books``):
-a grader reads them in the student's process and judges them in its own (issue 40), and
-``tests/`` does both at once on the package's block manager (``check_block_invariants``).
+a grader reads them in the student's process and judges them in its own (where the student's
+code cannot reach the verdict), and ``tests/`` does both at once on the package's block
+manager (``check_block_invariants``).
 """
 from __future__ import annotations
 

@@ -111,14 +111,14 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "of that."),
     Exercise("11", "Disaggregation: the KV hand-off between the prefill and the decode worker",
              "minillm.engines.r11_disagg.transfer",
-             ("filled_blocks", "Handoff.nbytes", "recv_blocks", "land"),
+             ("filled_blocks", "Handoff.nbytes", "recv_blocks", "install_blocks"),
              "11_disaggregation", 30,
              "The first ceil(num_tokens / block_size) blocks of the table move, the last maybe "
              "partly filled; a hand-off's bytes are, for every pool tensor, its blocks times the "
              "elements of one block times the element size; the receiver reads each tensor as "
              "exactly that many uint8 bytes and views them as (blocks, *block shape) of the "
-             "tensor's dtype; land = allocate_loaded, write_blocks, cache_full_blocks, or None "
-             "with nothing allocated when the pool has no room."),
+             "tensor's dtype; install_blocks = allocate_loaded, write_blocks, cache_full_blocks, "
+             "or None with nothing allocated when the pool has no room."),
     Exercise("12", "The adaptive batch: a controller that holds a TPOT target",
              "minillm.engines.r12_realtime.batch_controller",
              ("TPOTController.observe", "TPOTController._fit", "TPOTController._cap"),

@@ -52,8 +52,8 @@ def start(ex: Exercise, workdir: Path = DEFAULT_DIR, force: bool = False) -> Pat
 
 def judged_outside(grader: Path) -> bool:
     """Whether the grader runs the student's code in the student's process (``OUTSIDE = True`` at
-    its top level, as every grader of this package does). One without it (an old grader a teacher
-    kept) would judge in the process the student's code runs in: ``check`` refuses it."""
+    its top level, as every grader of this package does). One without it (a teacher's own grader,
+    say) would judge in the process the student's code runs in: ``check`` refuses it."""
     tree = ast.parse(grader.read_text(encoding="utf-8"))
     return any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "OUTSIDE" for t in n.targets)
                and getattr(n.value, "value", False) is True for n in tree.body)

@@ -213,7 +213,8 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "(priority 0) still be served before it? (D of the starvation bound)",
              overtake_horizon_by_definition,
              "D = (priority_weight × (1 − 0) + remaining_weight × 128 + margin) / wait_weight, "
-             "rounded down; the weights are Score's defaults in core/policy.py", rel_tol=0.0),
+             "rounded down; the weights are Score's defaults (engines/r8_policies/policy.py)",
+             rel_tol=0.0),
     Question("09.q1", "blocks of 16 tokens in a 1 GiB KV pool on SmolLM2 with "
              "kv_cache_dtype=\"int8\"", lambda: blocks_in_one_gib("int8"),
              "one token: 30 layers × (K and V) × 3 KV heads × (64 one-byte codes + one 4-byte "

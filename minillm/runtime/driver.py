@@ -30,17 +30,41 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Literal, Protocol
+from typing import Callable, Iterator, Literal, Protocol
 
 from ..metrics import RunMetrics, StepRecord, summarize
 from ..request import FinishReason, Request, RequestError, RequestOutput
 
-if TYPE_CHECKING:
-    from .interface import Engine, StepOutput
+from .step_output import StepOutput
 
 Idle = Literal["wait", "tick", "admit"]        # what the driver does when nothing runs
-OnStepped = Callable[["StepOutput", StepRecord], None]
+OnStepped = Callable[[StepOutput, StepRecord], None]
 OnOutput = Callable[[RequestOutput], None]
+
+
+class Engine(Protocol):
+    """What the run loop needs of an engine: ``runtime/interface.py``'s ``Engine`` is one (it
+    imports this module to run itself, so this one names only what it calls)."""
+
+    name: str
+    step_count: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    kv_bytes_per_token: int
+
+    def validate(self, req: Request) -> None: ...
+    def add_request(self, req: Request) -> None: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> StepOutput: ...
+    def idle_step(self) -> StepOutput: ...
+
+    def record(self, out: StepOutput, step: int, time_s: float, num_finished: int,
+               start: tuple[int, int]) -> StepRecord: ...
+
+    def make_output(self, req: Request) -> RequestOutput: ...
+    def begin_run(self) -> None: ...
+    def run_extra(self) -> dict: ...
+    def reset(self) -> list[Request]: ...
 
 
 @dataclass

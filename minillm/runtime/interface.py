@@ -15,7 +15,7 @@ import numbers
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+
 from typing import Callable, ClassVar
 
 from tqdm.auto import tqdm
@@ -27,20 +27,8 @@ from ..models import LoadedModel, dtype_name
 from ..request import Request, RequestError, RequestOutput
 from ..structured import bind_grammar
 from .driver import Driver, RunResult, ScheduledArrivals, WallClock  # noqa: F401 (RunResult: API)
+from .step_output import StepOutput
 from .observe import Observers
-from .stats import EngineStats
-
-
-@dataclass
-class StepOutput:
-    """What one engine step did; ``Engine.record`` adds timing and memory to make a StepRecord."""
-
-    finished: list[Request] = field(default_factory=list)
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    batch_size: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
 
 
 OnStep = Callable[[MemorySnapshot, StepRecord], None]
@@ -137,13 +125,6 @@ class Engine:
         adds its scheduling policy and KV format)."""
         return {"engine": self.name, "model": self.model.name,
                 "dtype": dtype_name(self.model.dtype)}
-
-    def stats(self, detail: bool = False, kv: KVCounts | None = None) -> EngineStats:
-        """This engine's counts now as one frozen record (``runtime/stats.py``), built only from
-        the methods declared here: call it on the thread that drives the engine; others (a
-        server's /metrics, its dashboard) read the record. ``detail``: with what a dashboard
-        frame draws; ``kv``: ``kv_counts()`` already taken now (a step's ``StepRecord``)."""
-        return EngineStats.of(self, detail, kv)
 
     def batch_control(self) -> dict | None:
         """Rung 12's batch controller, as its ``describe()`` says (the cap, the fit, the load), or

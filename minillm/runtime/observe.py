@@ -33,10 +33,11 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
-if TYPE_CHECKING:
-    from .interface import Engine
+# The engine a step event comes from: ``runtime/interface.py``'s ``Engine``, which imports this
+# module (every engine owns its observers), so it is not imported back for a type hint.
+Engine = Any
 
 Phase = Literal["preempted", "executed", "computed", "beam", "verified", "transferred",
                 "controlled", "stepped"]

@@ -1,7 +1,7 @@
 """``EngineStats``: an engine's counts at one moment, as one frozen record (vLLM's
 ``SchedulerStats``).
 
-Stats flow one way. The thread that drives an engine builds a record (``Engine.stats()``) right
+Stats flow one way. The thread that drives an engine builds a record (``EngineStats.of(engine)``) right
 after a step, the only moment the engine's state is consistent; everyone else reads records and
 never the engine. The server's engine loop (``serve/loop.py``) builds one after every step, after
 a failure or reset and when it starts, and keeps the newest as one attribute (``loop.stats``):
@@ -47,7 +47,7 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class EngineDetail:
-    """What a dashboard frame draws beyond the counts (``Engine.stats(detail=True)``)."""
+    """What a dashboard frame draws beyond the counts (``EngineStats.of(engine, detail=True)``)."""
 
     engine_name: str
     model_name: str

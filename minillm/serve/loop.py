@@ -16,7 +16,7 @@ for the engine (``submit`` raises ``QueueFull`` beyond that: the server answers 
 queues without bound); an exception in a step fails the requests in flight with its message, resets
 the engine (pool back to full) and the loop goes on serving.
 
-Stats flow one way: the loop thread builds an ``EngineStats`` (``Engine.stats``,
+Stats flow one way: the loop thread builds an ``EngineStats`` (``EngineStats.of``,
 ``runtime/stats.py``) when it starts, after each step and after a failure, and swaps it into
 ``self.stats``; ``/metrics``, the dashboard and admission control read that record (and the
 loop's own counters), never the engine.
@@ -106,7 +106,7 @@ class EngineLoop:
         self._arriving: dict[int, Handle] = {}   # submitted, not yet in the engine: id(request)
         self._entered = 0                        # handed to the engine since the latest record
         # the engine's latest record (built on the loop thread; readers take the reference)
-        self.stats: EngineStats = engine.stats()
+        self.stats: EngineStats = EngineStats.of(engine)
         self._stop = threading.Event()
         self._clock = WallClock()                # arrival times: seconds since the loop was made
         self._driver = Driver(engine, self._clock, InboxArrivals(self._inbox, self._apply),
@@ -241,7 +241,7 @@ class EngineLoop:
         the engine."""
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             raise RuntimeError("only the engine loop's thread reads the engine while it runs")
-        return self._set_stats(self.engine.stats(detail))
+        return self._set_stats(EngineStats.of(self.engine, detail))
 
     def _set_stats(self, stats: EngineStats) -> EngineStats:
         with self._lock:        # the record and the count of requests it does not know of yet
@@ -269,7 +269,7 @@ class EngineLoop:
     def _stepped(self, out: StepOutput, record: StepRecord) -> None:
         t0, t1 = self._driver.step_time
         # the record first: a client told its request is done finds the step counted
-        self._set_stats(self.engine.stats(kv=record.kv))
+        self._set_stats(EngineStats.of(self.engine, kv=record.kv))
         self._publish(out)
         for hook in self.on_step:
             try:
@@ -332,7 +332,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - still tell every client
             log.exception("engine reset failed")
         try:
-            self._set_stats(self.engine.stats())
+            self._set_stats(self.EngineStats.of(engine))
         except Exception:  # noqa: BLE001 - keep the previous record; still tell every client
             log.exception("engine stats failed after a reset")
         handles, self.handles = list(self.handles.values()), {}

@@ -121,7 +121,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False                # benchmarks fix output lengths with it
     return_token_ids: StrictBool = False                # vLLM's extra: each choice's token ids too
-    # vLLM's extra: lower runs first under --policy priority or score (core/policy.py); under
+    # vLLM's extra: lower runs first under --policy priority or score (engines/r8_policies); under
     # fcfs it only labels the request's class in /metrics
     priority: StrictInt = Field(default=0, ge=FIELD_RANGES["priority"][0],
                                 le=FIELD_RANGES["priority"][1])

@@ -1,6 +1,6 @@
 """``/tokenize`` and ``/detokenize``, in vLLM's shapes: what the server would feed the model for a
 prompt (or a chat, template and all) and back. A client counts tokens against ``max_model_len``
-before it sends a request, and a student sees what the chat template adds (issue 44).
+before it sends a request, and a student sees what the chat template adds.
 
 - ``POST /tokenize`` ``{"model", "prompt": text}`` or ``{"model", "messages": [...]}`` (by default
   the same encoding a completion or chat request gets: ``LLM.encode``) -> ``{"count",

@@ -1,4 +1,4 @@
-"""Notebook 08's pictures of the scheduling policies, drawn from real runs (core/policy.py).
+"""Notebook 08's pictures of the scheduling policies, drawn from real runs (engines/r8_policies).
 
 ``PolicyRecorder`` watches a run from outside, step by step: the waiting queue's order, who runs,
 who was evicted for whom (the engine's ``"preempted"`` observer event) and each request's first

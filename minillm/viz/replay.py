@@ -1,7 +1,7 @@
 """Replay a workload through the real engine under each KV allocator, computing nothing (notebook 05).
 
 Memory waste in a KV cache depends only on *who holds which slots when*, not on what the model
-computes. So the visualizer runs the real ``PagedEngine`` — its scheduler, its postprocess, the
+computes. So the visualizer runs the real ``PagedEngine`` — its scheduler, its commit point, the
 allocator of ``minillm.engines.r5_allocators`` it is given — with a model runner that does no math
 (``NullRunner``: a scheduled token's K/V count as written at once) and a sampler that replays
 each sample's tokens (``ReplaySampler``: recorded ones for a trace of a real run, ``DUMMY_TOKEN``
@@ -14,49 +14,20 @@ numbers, and the three allocators differ in memory only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 
 from ..runtime.driver import Driver, ScheduledArrivals, StepClock
 from ..engines.r5_allocators import ALLOCATORS, make_allocator
+from ..engines.r5_allocators.null import REPLAY_EOS, NullRunner, ReplayModel  # noqa: F401
 from ..core.beam import BeamChoice
 from ..engines import engine_kwargs
 from ..core.engine import PagedEngine
-from ..core.runner import reaching_end, step_order
 from ..core.sequence import Sequence
 from ..request import Request, SamplingParams
 from ..workload import SimRequest
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
-
-REPLAY_EOS = -2       # the replay "model"'s end-of-sequence token: ends each sample where it ended
-
-
-@dataclass
-class ReplayModel:
-    """What the engine reads off a model, for replays that run none."""
-
-    max_model_len: int
-    kv_bytes_per_token: int
-    eos_token_ids: set[int] = field(default_factory=lambda: {REPLAY_EOS})
-    tokenizer: object = None
-    device: torch.device = torch.device("cpu")
-    config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=1 << 31))
-
-
-class NullRunner:
-    """A model runner that computes nothing. Which sequences reach their newest token, and in
-    what order, is decided exactly as in ``ModelRunner.run``, so forks and frees happen in the
-    engine's own order."""
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        pass
-
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], None]:
-        order = step_order(scheduled)
-        return [order[k][0] for k in reaching_end(order)], None
-
 
 class ReplaySampler:
     """Emits the tokens each sample produced and ends it after as many tokens as it had."""

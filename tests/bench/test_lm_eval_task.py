@@ -1,4 +1,4 @@
-"""The lm-evaluation-harness check (``minillm/bench/lm_eval.py``, issue 44) without lm-eval: the
+"""The lm-evaluation-harness check (``minillm/bench/lm_eval.py``) without lm-eval: the
 bundled tasks are well-formed and ship with the package; the comparison of two lm-eval runs
 (``lm_eval_compare``) reads lm-eval's output files and compares them item by item (fixtures in
 lm-eval 0.4.13's format); and what lm-eval's ``--model hf`` computes for a continuation (the

@@ -91,8 +91,8 @@ def test_converted_smollm2_is_a_plain_hf_directory(tmp_path):
 
 @pytest.mark.parametrize("value", ["", "  "])
 def test_empty_minillm_cache_is_unset(monkeypatch, tmp_path, value):
-    """Issue 38: ``MINILLM_CACHE=`` made the current folder the model cache (517 MB appeared in
-    the project). Empty or blank means unset: the home cache; a real value is taken as given."""
+    """Taken as a path, ``MINILLM_CACHE=`` would make the current folder the model cache (517 MB
+    in the project). Empty or blank means unset: the home cache; a real value is taken as given."""
     from minillm.models import cache_dir
 
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -30,7 +30,7 @@ def tight_paged(tiny, **kw):
 ], ids=["beams", "n4-seeded", "n3-greedy"])
 @pytest.mark.parametrize("prefix", [False, True])
 def test_preempted_groups_finish_and_match_a_roomy_run(tiny, params, prefix):
-    """Issue: a preempted beam group spun forever, a preempted n > 1 group crashed. Recompute now
+    """A preempted beam group must not spin forever, nor a preempted n > 1 group crash: recompute
     computes the prompt once and re-shares it, so a group needs what it was admitted with."""
     prompts = random_prompts(3, seed=40, lo=20, hi=20)
     engine = tight_paged(tiny, enable_prefix_caching=prefix)

@@ -45,7 +45,7 @@ WRONG_06_RESIDUAL = ("residual = (target - q).clamp_(min=0)", "residual = target
 # index (the tokens then depend on how the request's steps fell: the batch, the pool)
 WRONG_06_SEEDED = ("draw_uniform(p.seed, first_index + j, sample_id)",
                    "draw_uniform(p.seed, j, sample_id)")
-# More mistakes students make (issue 26): each must fail its grader.
+# More mistakes students make: each must fail its grader.
 MORE_WRONG = {
     "03": [("return last.ref_count > 1 or last.hash is not None", "return last.ref_count > 1"),
            ("        if self._needs_cow(seq, num_new_tokens):\n            need += 1\n        return need",
@@ -244,7 +244,7 @@ def test_question_truths_by_definition_equal_runs_of_the_package_s_code():
         assert q.overtake_horizon_by_definition(*args) == q.score_overtake_horizon(*args), args
 
 
-# --- grading a student cannot forge (issue 26) -------------------------------------------------------
+# --- grading a student cannot forge --------------------------------------------------------------
 def skeleton(ex_id: str, tmp_path) -> str:
     return start(EXERCISES[ex_id], tmp_path / "fresh", force=True).read_text()
 
@@ -335,8 +335,8 @@ def test_pytest_arguments_after_double_dash_wherever_it_falls(tmp_path, capsys):
 
 # --- teacher mode -------------------------------------------------------------------------------------
 def solved(ex_id: str) -> str:
-    """The reference's code with one harmless statement added: a near-copy (issue 40: it scores
-    0 where the reference is at hand to compare with, i.e. not in a handout)."""
+    """The reference's code with one harmless statement added: a near-copy (it scores 0 where
+    the reference is at hand to compare with, i.e. not in a handout)."""
     source = EXERCISES[ex_id].source_path.read_text()
     assert "        # Tail first" in source
     return source.replace("        # Tail first", "        _ = 0\n        # Tail first", 1)

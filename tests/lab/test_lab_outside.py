@@ -1,7 +1,7 @@
-"""Issue 40: the student's code computes in its own process, the grader judges in the teacher's.
+"""The student's code computes in its own process, the grader judges in the teacher's.
 
-Each kind of cheat a student pass tried (on exercises 06, 08 and 09) is rejected with its reason;
-each wrong solution the old graders passed, or that ended in a raw error, now fails the test
+Each kind of cheat a student may try (on exercises 06, 08 and 09) is rejected with its reason;
+each wrong solution a looser grader passes, or that ends in a raw error, fails the test
 written for it with a message naming the mistake; the ranks exercises 10 and 11 spawn run the
 student's file; a correct solution written differently from the reference passes, in a class
 of six graded in one command."""
@@ -52,7 +52,7 @@ def load_teacher(ex_id: str) -> str:
     """Code that loads the teacher's own module with a path built at run time."""
     rel = EXERCISES[ex_id].source_path.relative_to(PACKAGE).as_posix()
     # Split at the separators so that no literal path appears, whatever the checkout's path is
-    # (a split inside a directory name broke this on CI's /check/...).
+    # (a split inside a directory name fails on some checkouts, CI's /check/... for one).
     parts = [*PACKAGE.as_posix().split("/"), *rel.split("/")]
     return ("import importlib.util as _u\n"
             f"_path = '/'.join({parts!r})\n"
@@ -66,8 +66,8 @@ def bind_reference(ex_id: str) -> str:
 
 
 def with_no_ops(ex_id: str) -> str:
-    """The reference with one no-op statement (``_ = 0``) at the top of each exercised function
-    (issue 40's 'reference plus one no-op')."""
+    """The reference with one no-op statement (``_ = 0``) at the top of each exercised function:
+    a near-copy, which scores 0."""
     import ast
 
     from minillm.lab.skeleton import _functions
@@ -137,7 +137,7 @@ def test_suspicious_lines_are_listed_and_a_syntax_error_names_its_line(tmp_path)
     assert "syntax error, line" in done.stdout, done.stdout
 
 
-HOLES_08 = {   # issue 40's wrong solutions of exercise 08 that the old grader passed
+HOLES_08 = {   # wrong solutions of exercise 08 that a grader must not pass
     "remaining from the first sample":
         ("max((len(s.output_token_ids) for s in group.seqs), default=0)",
          "len(group.seqs[0].output_token_ids)"),
@@ -168,7 +168,7 @@ def test_wrong_policies_the_old_grader_passed_now_fail(hole, tmp_path):
 
 
 def test_one_scale_per_token_across_kv_heads_fails(tmp_path):
-    """09: a scale per token shared by its KV heads (the old int8 tests had one KV head)."""
+    """09: a scale per token shared by its KV heads (a test with one KV head cannot tell)."""
     old = "amax = xf.abs().amax(dim=-1)"
     new = "amax = xf.abs().amax(dim=-1).amax(dim=-1, keepdim=True).expand(xf.shape[:-1])"
     assert old in reference("09")
@@ -176,7 +176,7 @@ def test_one_scale_per_token_across_kv_heads_fails(tmp_path):
     assert outcome(done, "test_int8_one_scale_per_row") == "failed", done.stdout[-3000:]
 
 
-NAMED = {   # issue 40's wrong solutions that ended in a raw error or passed: (exercise, edits,
+NAMED = {   # wrong solutions that a grader could pass or meet with a raw error: (exercise, edits,
     # the grader's test that must fail, what its message must say)
     "03: free keeps the computed counts": (
         "03", [("        seq.block_table = []\n        seq.num_computed_tokens = seq.num_cached_tokens = 0",

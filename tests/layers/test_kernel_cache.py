@@ -171,7 +171,7 @@ print(json.dumps({"outs": outs, "warnings": [str(w.message) for w in caught]}))
 def test_build_killed_mid_compile_then_the_next_engine_builds(tmp_path, monkeypatch, capfd):
     """SIGKILL the process building the kernel while the compiler runs: its builder, ninja and
     the compiler stop; our lock file stays, naming a dead builder, and so may torch's ``lock``
-    (a build SIGKILLed before this fix left it, and every later build waited for it for ever).
+    (torch's stays after a SIGKILL: a later build that waited for it would wait for ever).
     The next paged engine builds afresh and uses the kernel; the one after imports that build."""
     root = tmp_path / "ext"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))

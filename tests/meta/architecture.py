@@ -1,4 +1,4 @@
-"""Static architecture checks over minillm's source (issue 56): pure functions over source text,
+"""Static architecture checks over minillm's source: pure functions over source text,
 so each check's self-test can feed it planted sources.
 
 Sources are a dict ``{"minillm/core/engine.py": text, ...}``: paths relative to the repository

@@ -1,5 +1,5 @@
-"""The core owns the engine interface, and views ask engines only what the interface declares
-(issue 41): static checks over the package's source, each with a self-test that it catches a
+"""The core owns the engine interface, and views ask engines only what the interface declares:
+static checks over the package's source, each with a self-test that it catches a
 planted violation. (``test_layout.py`` checks the ladder's files, names and lengths.)"""
 from __future__ import annotations
 
@@ -179,14 +179,18 @@ def private_reads(files: dict[str, str]) -> list[str]:
 
 
 def step_copies(files: dict[str, str]) -> list[str]:
-    """A rung calling what the core's ``finish_step`` and ``bill`` do inside (``complete``,
-    ``postprocess``, ``_account``) rebuilds that part of the step instead of passing through the
-    phase (rung 7 once rescaled ``_account(split, sched, 1.0)`` and called ``complete`` itself)."""
+    """A rung calling what the core's ``land`` does inside (``complete``, ``update_from_output``,
+    ``split_step_time``) rebuilds that part of the step instead of passing through the phase (a
+    rung that rescales a step's time with ``split_step_time(out, sched, 1.0)`` and calls
+    ``complete`` itself copies the core's commit)."""
     bad = []
     for path, text in files.items():
         for node in ast.walk(ast.parse(text)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("complete", "postprocess", "_account")):
+            if not isinstance(node, ast.Call):
+                continue
+            name = (node.func.attr if isinstance(node.func, ast.Attribute) else
+                    node.func.id if isinstance(node.func, ast.Name) else None)
+            if name in ("complete", "update_from_output", "split_step_time"):
                 bad.append(f"{path}:{node.lineno} {ast.unparse(node.func)}")
     return bad
 
@@ -253,8 +257,8 @@ def test_the_checks_catch_planted_violations():
               "        c = self.parallel_config\n"}
     assert factories_with_side_effects(engine) == ["minillm/engines/x.py:3 self.stage"]
     copied = {"minillm/engines/p.py": "class P:\n    def land(self, mb, out):\n"
-              "        self._account(split, mb.sched, 1.0)\n        self.complete(r, l, out)\n"
+              "        split_step_time(split, mb.sched, 1.0)\n        self.complete(r, l, out)\n"
               "        super().finish_step((r, l), out)\n"}
-    assert step_copies(copied) == ["minillm/engines/p.py:3 self._account",
+    assert step_copies(copied) == ["minillm/engines/p.py:3 split_step_time",
                                    "minillm/engines/p.py:4 self.complete"]
     assert len(config_aliases(engine)) == 2

@@ -1,4 +1,4 @@
-"""The core is the paged engine only (issue 56): small enough to read (at most CORE_MAX_LINES
+"""The core is the paged engine only: small enough to read (at most CORE_MAX_LINES
 lines of Python), and it names no later rung's concern in its code (comments and docstrings may
 say which rung builds on what). Static: source text only; each check has a self-test."""
 from __future__ import annotations

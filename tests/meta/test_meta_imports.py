@@ -1,4 +1,4 @@
-"""Imports tell the architecture (issue 56): no circle among minillm's modules, every import
+"""Imports tell the architecture: no circle among minillm's modules, every import
 points down the layers (runtime < layers < core < engines < consumers; shared modules below all
 of them but core's and the ladder's), and a rung builds only on lower rungs. Static: source text
 only; each check has a self-test on planted sources."""
@@ -24,11 +24,6 @@ def report(findings: list[str]) -> str:
 
 # --- no circle --------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 56: two circles remain: runtime.interface imports driver/observe/stats (lines 29-31) "
-    "and each imports interface back under TYPE_CHECKING (driver.py:39, observe.py:39, "
-    "stats.py:25); layers/attention/__init__.py:39,52 imports .triton (function-local) and "
-    "triton/__init__.py:35 imports choose_triton_mode from its parent package"))
 def test_no_import_circle_counting_type_only_and_local_imports(package):
     circles = import_cycles(package)
     lines = [f"{', '.join(c)}:" + report(cycle_witnesses(package, c)) for c in circles]
@@ -83,12 +78,7 @@ def test_self_test_layers_are_named():
 
 @pytest.mark.parametrize("layer", [
     "runtime", "layers", "core",
-    pytest.param("engines", marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 56: rungs still import consumers: engines/r6_speculative/coupling.py:49, "
-        "r7_pipeline/measure.py:94, r10_tensor/measure.py:69 import minillm.llm (function-local); "
-        "r12_realtime/sim.py:18 imports minillm.viz.replay"))),
-    pytest.param("shared", marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 56: memory.py:42 imports minillm.core.sequence (under TYPE_CHECKING)"))),
+    "engines", "shared",
 ])
 def test_imports_point_down_the_layers(package, layer):
     """A module imports its own layer or lower ones (or a shared module); a shared module imports

@@ -1,4 +1,4 @@
-"""Rungs plug into the core instead of copying it (issue 56): rungs 7 and 12 define no step loop
+"""Rungs plug into the core instead of copying it: rungs 7 and 12 define no step loop
 of their own (the core's one step serves them), no engine class derives from two engines, and
 the core's ``Scheduler.schedule`` takes no rung's concern as a parameter. Each check has a
 self-test on a planted violation."""

@@ -1,5 +1,5 @@
 """One commit point: generated tokens land only through ``Request.commit`` (the request's samples,
-stop checks, first-token time) and ``StepCommit._land`` in core/commit.py (the sequence's tokens), whatever the rung.
+stop checks, first-token time) and ``StepCommit._append`` in core/commit.py (the sequence's tokens), whatever the rung.
 
 The scan reads the package's source: a new ``seq.token_ids.append`` or ``first_token_time = ...``
 anywhere else is a second writer, the bug this test exists to stop (tokens, finish reasons and
@@ -18,7 +18,7 @@ from minillm.request import Request
 PACKAGE = Path(minillm.__file__).parent
 TOKEN_FIELDS = {"token_ids", "output_token_ids"}
 # Where writing these is the job: the commit point itself.
-WRITERS = {("request.py", "commit"), ("request.py", "set_final"), ("core/commit.py", "_land")}
+WRITERS = {("request.py", "commit"), ("request.py", "set_final"), ("core/commit.py", "_append")}
 # Not generated tokens of a request: each listed with why.
 ALLOWED = {
     ("engines/r6_speculative/proposers.py", "propose"),  # the draft model's private scratch copy

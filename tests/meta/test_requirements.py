@@ -2,7 +2,7 @@
 
 pip resolves only for the machine it runs on, and on the lab machines its config adds local wheel
 indexes that can hide a resolution failing everywhere else (as `torch==2.13.0` with
-`triton==3.9.0` did: that torch requires triton 3.7.1 on Linux, and triton has no macOS or Windows
+`triton==3.9.0` does: that torch requires triton 3.7.1 on Linux, and triton has no macOS or Windows
 wheels). ``uv pip compile`` resolves for any platform and Python version without installing
 anything; here it sees public PyPI only: ``--index-url`` given, ``--no-config`` (no uv.toml),
 no UV_*/PIP_* variables (uv never reads pip's config files). ``--no-build``: every package must come

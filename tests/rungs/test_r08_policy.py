@@ -2,8 +2,8 @@
 batch and for a full pool, the threshold, the starvation bound under ``score`` on a stream that
 starves ``priority``, no ping-pong evictions, tokens equal FCFS's — is exercise 08's grader, run
 here on the package's own code (its tests are imported below); this module adds the config, HTTP,
-keys that stay finite for every accepted request (issue 38) and admission in O(log n) key
-computations per request, in the order a full sort gave."""
+keys that stay finite for every accepted request and admission in O(log n) key
+computations per request, in the order a full sort gives."""
 from __future__ import annotations
 
 import math
@@ -82,7 +82,7 @@ def test_priority_over_http_labels_metrics_and_reaches_the_scheduler(tiny):
     assert "minillm:time_per_output_token_by_priority_seconds_bucket" in text
 
 
-# --- issue 38 item 2: no accepted request can make a policy's arithmetic fail ---------------------
+# --- no accepted request can make a policy's arithmetic fail -------------------------------------
 def group_of(priority=0, max_tokens=16, generated=0, arrival_index=0, arrival_step=0):
     req = Request([1, 2], SamplingParams(max_tokens=max_tokens), priority=priority)
     return SequenceGroup(req, [Sequence(req, [1, 2] + [3] * generated, 2)], arrival_index,
@@ -167,7 +167,7 @@ def test_a_key_that_raises_fails_its_own_request_at_admission():
     assert sched.waiting == [a, b] and "late" not in sched.groups
 
 
-# --- issue 38 item 6: admission costs O(log n) key computations, in the order a sort gave ---------
+# --- admission costs O(log n) key computations, in the order a sort gives ------------------------
 class Counting:
     """``inner`` with its key() calls counted."""
 
@@ -202,7 +202,7 @@ def test_admission_is_n_log_n_key_computations(inner):
     for i in range(n):
         sched.add(Request([1, 2, 3], SamplingParams(max_tokens=rng.randint(1, 64)),
                           request_id=f"r{i}", priority=rng.randint(-3, 3)))
-    # re-sorting on every add computed ~n**2 / 2 keys (5e7 here); insertion ~log2(k) per add
+    # re-sorting on every add would compute ~n**2 / 2 keys (5e7 here); insertion ~log2(k) per add
     assert policy.calls <= 1.5 * n * math.log2(n), policy.calls
     arrived = sorted(sched.groups.values(), key=lambda g: g.arrival_index)
     assert sched.waiting == sorted(arrived, key=inner.key)    # stable: ties in arrival order
@@ -213,7 +213,7 @@ def test_admission_is_n_log_n_key_computations(inner):
                     max_size=60))
 def test_queue_order_is_the_old_full_sorts(ops):
     """Whatever the arrivals, admissions and preemptions, the queue is exactly what appending and
-    stable-sorting gave (an arrival after its equals), and inserting at the front and
+    stable-sorting gives (an arrival after its equals), and inserting at the front and
     stable-sorting (a preempted group before its equals)."""
     sched = Scheduler(BlockManager(16, 4), policy=ClassOnly())
     old: list = []

@@ -1,7 +1,7 @@
 """Rung 10's split (engines/r10_tensor/shard.py), checked in one process: T ranks' column-parallel
-heads and MLP units, their row-parallel outputs summed (what the all-reduce will do), give the
+heads and MLP units, their row-parallel outputs summed (what the all-reduce does), give the
 whole model's hidden states -- equal to Hugging Face's, layer by layer. The distributed runtime
-is issue 28's next step."""
+is tested in test_r10_tensor_parallel_engine.py."""
 from __future__ import annotations
 
 import pytest

@@ -3,7 +3,7 @@ prompt's KV blocks moved into the decode worker's pool. Greedy and seeded output
 engine's token for token (prefix caching, preemption on the decode side, an int8 cache whose
 scales travel with the blocks); n > 1 and beams are refused with a clear error; aborts at every
 stage free blocks on both sides; a killed prefill worker is a clear error with no process left.
-On tight pools, whatever the paged engine serves disagg serves, with its tokens (issue 38): a
+On tight pools, whatever the paged engine serves disagg serves, with its tokens: a
 prompt that fills the decode pool is pulled, landed blocks never keep the queue from moving, and
 a prompt prefilled here is checked against this pool, not the prefill worker's."""
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_short_prompts_are_prefilled_where_they_decode(tiny):
         DisaggEngine(tiny, local_prefill_max_tokens=-1)
 
 
-# --- issue 38: tight pools (anything the paged engine serves, disagg serves) ----------------------
+# --- tight pools (anything the paged engine serves, disagg serves) -------------------------------
 # Each pool: (the options both engines take, the disagg-only ones). Lockstep, so that a schedule
 # (and a failure hypothesis finds) replays; one disagg engine per pool, shared by the tests below.
 TIGHT_POOLS = {
@@ -266,20 +266,20 @@ def assert_serves_like_paged(engine, tiny, prompts, params, options, tag, priori
 
 
 def test_a_prompt_that_fills_the_decode_pool_is_pulled(tight_pools, tiny):
-    """Issue 38, 1: a 40-token prompt with max_tokens 2 needs all 3 blocks of 16 of the decode
-    pool (its 39 moved tokens, its last one, its first output's K/V). The pull asked for one block
-    more than that, so it was never pulled and the engine spun; it now asks what the paged
-    scheduler asks of a waiting prompt."""
+    """A 40-token prompt with max_tokens 2 needs all 3 blocks of 16 of the decode pool (its 39
+    moved tokens, its last one, its first output's K/V). The pull asks what the paged scheduler
+    asks of a waiting prompt: asking one block more, it would never be pulled and the engine would
+    spin."""
     engine, options = tight_pools("3x16")
     assert_serves_like_paged(engine, tiny, random_prompts(1, seed=380, lo=40, hi=40),
                              SamplingParams(max_tokens=2, ignore_eos=True), options, "fill")
 
 
 def test_landed_blocks_never_wait_behind_a_head_that_cannot_fit(tight_pools, tiny):
-    """Issue 38, 2 (first-come first-served): a request preempted here needs its blocks back
-    while a prefilled one is ready. Pulled then, the newcomer's blocks landed behind it, it could
-    never be admitted beside them, and the run ended in 'no progress ... (a bug)' with every
-    request lost. A pull now leaves room for the queue it lands behind."""
+    """First-come first-served: a request preempted here needs its blocks back while a
+    prefilled one is ready. Pulled then with no room left, the newcomer's blocks would land behind
+    it, it could never be admitted beside them, and the run would end in 'no progress ... (a bug)'
+    with every request lost. A pull leaves room for the queue it lands behind."""
     engine, options = tight_pools("5x4")
     work = [(3, 16), (8, 9), (12, 8), (4, 3)]        # (prompt tokens, max_tokens)
     prompts = [random_prompts(1, seed=381 + i, lo=n, hi=n)[0] for i, (n, _) in enumerate(work)]
@@ -288,7 +288,7 @@ def test_landed_blocks_never_wait_behind_a_head_that_cannot_fit(tight_pools, tin
 
 
 def test_landed_blocks_are_given_back_to_an_urgent_head(tight_pools, tiny):
-    """Issue 38, 2 (priority): landed blocks of a request waiting to be admitted are memory no
+    """Priority: landed blocks of a request waiting to be admitted are memory no
     preemption can free. An urgent short prompt (prefilled here) arrives right after a long
     prompt's blocks landed, ranks ahead of it, and cannot fit beside them; nothing runs. The
     landed blocks are given back (that request recomputes its prompt here) instead of ending the
@@ -330,9 +330,9 @@ def test_landed_blocks_are_given_back_to_an_urgent_head(tight_pools, tiny):
 
 
 def test_a_prompt_prefilled_here_is_checked_against_this_pool(tiny):
-    """Issue 38, 3: prompts of at most ``local_prefill_max_tokens`` are prefilled on the decode
-    side; they were refused when the prefill worker's pool (which they never use) was too small
-    for them. A longer prompt, which goes there, still is."""
+    """Prompts of at most ``local_prefill_max_tokens`` are prefilled on the decode side, so the
+    prefill worker's pool (which they never use) being too small for them refuses none of them.
+    A longer prompt, which goes there, is refused."""
     options = dict(block_size=4, num_blocks=16)
     engine = DisaggEngine(tiny, local_prefill_max_tokens=12, **options,
                           prefill_kv_cache_bytes=2 * 4 * tiny.kv_bytes_per_token)

@@ -68,8 +68,8 @@ def test_abort_while_a_forward_is_in_flight_ends_the_request_once(tiny):
 def test_forward_and_sampling_run_on_one_thread_with_the_callers_thread_count(tiny):
     """Everything torch computes in an overlapped step -- the forward and the sampler -- runs on
     the forward's thread, with as many torch threads as the thread stepping the engine has: one
-    OpenMP team. (The sampler on the caller's thread made two teams; libgomp then stops its idle
-    workers spinning, and served TPOT was ~2x: docs/rungs/12_realtime.md.)"""
+    OpenMP team. (The sampler on the caller's thread would make two teams; libgomp then stops its
+    idle workers spinning, and served TPOT is ~2x: docs/rungs/12_realtime.md.)"""
     import threading
 
     import torch

@@ -1,7 +1,7 @@
-"""Chat messages are tokenized as text: a user cannot write a control token (issue 38).
+"""Chat messages are tokenized as text: a user cannot write a control token.
 
-SmolLM2's template wraps each turn in ``<|im_start|>role\\n ... <|im_end|>\\n``. Writing that
-text inside a message used to become real control tokens (a forged system turn); now every
+SmolLM2's template wraps each turn in ``<|im_start|>role\\n ... <|im_end|>\\n``. Were that text,
+written inside a message, to become real control tokens, a user could forge a system turn. Every
 special token of the tokenizer, written in a message, stays text, and messages without such text
 tokenize exactly as Hugging Face's ``apply_chat_template``."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The model's dtype (issue 39): ``--dtype auto`` is bf16 exactly where the device computes it
+"""The model's dtype: ``--dtype auto`` is bf16 exactly where the device computes it
 natively (ISA detection, never a timed trial), every engine runs a bf16 model, and our bf16
 forward is as close to fp32 as Hugging Face's own bf16 forward is."""
 from __future__ import annotations

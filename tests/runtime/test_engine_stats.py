@@ -195,10 +195,10 @@ def test_a_request_the_engine_took_counts_as_waiting_until_a_record_says_where_i
 
 
 def test_the_record_is_a_frozen_value_with_the_controllers_gauges(tiny):
-    """``Engine.stats()`` is frozen; rung 12's cap and load come from ``batch_control()`` and
+    """``EngineStats.of(engine)`` is frozen; rung 12's cap and load come from ``batch_control()`` and
     reach /metrics unchanged (a loop not started: its record was built when it was made)."""
     llm = LLM(tiny, engine="paged", num_blocks=64, batch_controller="tpot", tpot_target_ms=50)
-    stats = llm.engine.stats()
+    stats = EngineStats.of(llm.engine)
     assert isinstance(stats, EngineStats)
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.num_running = 1
@@ -210,7 +210,7 @@ def test_the_record_is_a_frozen_value_with_the_controllers_gauges(tiny):
     (req,) = llm.make_requests(["waiting"], SamplingParams(max_tokens=3))
     llm.engine.add_request(req)
     try:
-        detail = llm.engine.stats(detail=True).detail
+        detail = EngineStats.of(llm.engine, detail=True).detail
         assert [r.request_id for r in detail.waiting] == [req.request_id]
         assert detail.running == () and detail.snapshot.counts == llm.engine.kv_counts()
     finally:

@@ -1,4 +1,4 @@
-"""Log-probabilities (issue 44): ``SamplingParams(logprobs=k, prompt_logprobs=k)`` offline, and the
+"""Log-probabilities: ``SamplingParams(logprobs=k, prompt_logprobs=k)`` offline, and the
 server's completions ``logprobs``/``echo`` and chat ``logprobs``/``top_logprobs`` through the official
 ``openai`` client. Every number is checked against Hugging Face's ``log_softmax`` of its own fp32
 logits for the same token ids: generated tokens, prompt tokens, under chunked prefill, n > 1,

@@ -1,4 +1,4 @@
-"""The sampler's controls (issue 44): presence/frequency/repetition penalties, min_p, min_tokens and
+"""The sampler's controls: presence/frequency/repetition penalties, min_p, min_tokens and
 logit_bias, applied as per-row tensor operations over the batch (``minillm.sampling.
 apply_controls``). Each is checked against a plain per-row reference over random logits and
 parameters (hypothesis), repetition_penalty against Hugging Face's own processor; min_tokens

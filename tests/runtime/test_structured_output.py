@@ -1,4 +1,4 @@
-"""Structured output (issue 44): a grammar's mask per row per step, applied in the one sampler,
+"""Structured output: a grammar's mask per row per step, applied in the one sampler,
 the grammar advanced at the one commit point (``minillm/structured.py``). Every output is parsed
 and validated with ``jsonschema`` (or matched against its regex / choices): greedy, seeded
 sampling, n = 3, under preemption and chunked prefill, on rungs 2 and 3; rows without a grammar
@@ -338,7 +338,7 @@ def test_smollm2_json_object_outputs_are_json_objects(smol, temperature):
 
 def test_the_mask_bench_times_both_fills_and_refuses_too_few_steps(capsys):
     """``python -m minillm.bench.structured_mask``: one JSON line with both fills' times; fewer
-    steps than its warm-up is refused naming the flag (it used to crash on an empty median)."""
+    steps than its warm-up is refused naming the flag (no step would be left for a median)."""
     from minillm.bench import structured_mask
     from minillm.models import load_model
     structured_mask.main(["--model", "tiny-llama", "--rows", "3", "--steps", "7"])
@@ -350,7 +350,7 @@ def test_the_mask_bench_times_both_fills_and_refuses_too_few_steps(capsys):
     assert "--steps" in capsys.readouterr().err
 
 
-# --- issue 55: grammars that admit nothing, dead ends, the compile cache -------------------------
+# --- grammars that admit nothing, dead ends, the compile cache -----------------------------------
 @pytest.mark.parametrize("so,field", [(SO(regex=r"[^\s\S]"), "structured_outputs.regex"),
                                       (SO(json={"$ref": "#"}), "structured_outputs.json")])
 def test_a_grammar_that_admits_no_string_is_refused(paged, so, field):

@@ -211,7 +211,7 @@ def test_bad_prompts_get_their_own_errors(tiny, engine):
     assert "cannot understand a prompt of type float" in errors[10]
 
 
-# --- issue 38: every integer a user can send has a range -------------------------------------------
+# --- every integer a user can send has a range ---------------------------------------------------
 def _make(field: str, value):
     """The object that checks ``field``: a Request for priority, else SamplingParams."""
     if field == "priority":

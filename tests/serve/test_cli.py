@@ -242,8 +242,8 @@ def test_generate_interrupt_keeps_finished_lines(tmp_path, capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("interrupted: 2/6 ok, 3 unfinished"), err
 
 
-# (signal, exit status, the word on stderr and in unfinished lines): issue 38 -- SIGTERM and SIGHUP
-# used to kill generate at once, writing no --out at all
+# (signal, exit status, the word on stderr and in unfinished lines): by default SIGTERM and SIGHUP
+# kill generate at once, writing no --out at all
 SIGNALS = [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)"),
            (signal.SIGHUP, 129, "terminated (SIGHUP)")]
 
@@ -308,7 +308,7 @@ runpy.run_module("minillm", run_name="__main__", alter_sys=True)
 @pytest.mark.parametrize("signum,status,word", SIGNALS, ids=lambda v: str(v))
 def test_generate_signal_while_importing(tmp_path, signum, status, word):
     """A signal while torch is still importing (the first second of the CLI) is one line on
-    stderr and its exit status, not a traceback (issue 38: Ctrl-C then exited -2)."""
+    stderr and its exit status, not a traceback nor a death by the signal (-2 for Ctrl-C)."""
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"prompt": "hi"}) + "\n")
     proc = subprocess.run([sys.executable, "-c", SIGNAL_DURING_IMPORT, str(int(signum)), str(src),
@@ -333,7 +333,7 @@ def test_importing_minillm_loads_no_torch():
 
 
 def test_generate_ids_that_json_cannot_write(tmp_path, capsys):
-    """``{"id": NaN}`` or ``1e999`` used to be echoed into --out as NaN / Infinity (not JSON):
+    """``{"id": NaN}`` or ``1e999``, echoed into --out, would be NaN / Infinity (not JSON):
     such a line is an error naming its id, under its line number; the others are served."""
     data = b"\n".join([b'{"id": NaN, "prompt": "a"}', b'{"id": 1e999, "prompt": "b"}',
                        b'{"id": -Infinity, "prompt": "c"}', b'{"id": [1], "prompt": "d"}',

@@ -112,10 +112,10 @@ def test_generate_jsonl_lines_name_their_adapter(tiny, modules, tmp_path):
 
 
 def test_a_served_mixed_batch_equals_hugging_face_on_each_merged_model(tiny, tmp_path):
-    """Issue 43's check, served: the base model and three adapters of different ranks and
-    target modules, two slots, requests sent at once (they share steps); each answer equals
-    Hugging Face ``generate`` on that adapter's merged model (fp32, token for token, or a proven
-    near-tie)."""
+    """The mixed-batch check of tests/rungs/test_r13_lora.py, served: the base model and three
+    adapters of different ranks and target modules, two slots, requests sent at once (they share
+    steps); each answer equals Hugging Face ``generate`` on that adapter's merged model (fp32,
+    token for token, or a proven near-tie)."""
     import dataclasses
     from concurrent.futures import ThreadPoolExecutor
 

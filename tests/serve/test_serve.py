@@ -369,7 +369,7 @@ def test_shutdown_ends_open_streams_with_an_error(tiny):
 def test_streamed_chunks_carry_token_ids(server, offline, path):
     """``return_token_ids`` with ``stream``: each chunk carries the ids it brought, even while a
     possible stop string holds its text back; they add up to the offline engine's tokens, the
-    text to its text, for every sample (issue 38: no chunk carried ids)."""
+    text to its text, for every sample."""
     url, app = server
     chat = "chat" in path
     prompt = [{"role": "user", "content": "Once"}] if chat else "Once upon a time"

@@ -1,4 +1,4 @@
-"""Structured output on the server (issue 55): a grammar is parsed and compiled off the event loop
+"""Structured output on the server: a grammar is parsed and compiled off the event loop
 and off the tokenizer thread, once, within a time bound; a grammar too big, too slow, or that
 admits no string is a 400 naming the field; a grammar that dead-ends mid-output fails its own
 request (a 400, never a 500, logprobs or not) while the others are served; and every refusal's
@@ -216,10 +216,10 @@ def test_a_grammar_that_dead_ends_fails_its_request_alone(served, offline, strea
 # --- every refusal names a field of the request -------------------------------------------------
 GRAMMAR = {"structured_outputs": {"choice": ["a", "b"]}}
 COMMON_REFUSALS = [
-    {"min_tokens": 2, **GRAMMAR},                       # used to give "param": "min_tokens=2"
+    {"min_tokens": 2, **GRAMMAR},                       # a field, never "min_tokens=2"
     {"min_tokens": 9, "max_tokens": 4},
     {"min_tokens": 9, "max_completion_tokens": 4},
-    {"logit_bias": {"5": 200}},                         # used to give "logit_bias[5]"
+    {"logit_bias": {"5": 200}},                         # a field, never "logit_bias[5]"
     {"logit_bias": {"x": 1}}, {"logit_bias": {"99999": 1}}, {"logit_bias": {"5": True}},
     {"logit_bias": {str(i): 1 for i in range(301)}},
     {"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]},

@@ -1,4 +1,4 @@
-"""The server against hostile or careless clients (issue 22): each request ends once with an answer
+"""The server against hostile or careless clients: each request ends once with an answer
 or an OpenAI-shaped error that names what was wrong, the KV pool is full again afterwards, and the
 next ordinary request gets the offline engine's tokens.
 
@@ -6,7 +6,7 @@ Covered: a 50 MB body (413 at once; /health answers meanwhile), tokenizing off t
 fields that would change the answer (400 naming them) and ``stop_token_ids`` (honoured), bodies
 that are not JSON (not UTF-8, a 5,000-digit integer, 100,000 levels of nesting), 404/405/500,
 ``--api-key``, a pipeline worker that dies (503 until restarted), bad ``--port``/``--host``;
-issue 38: a 400-digit integer in any field (400 naming it; a request in flight is unharmed).
+a 400-digit integer in any field (400 naming it; a request in flight is unharmed).
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_huge_body_is_refused_at_once_and_health_answers_meanwhile(server, offli
     assert str(limit) in err["message"] and "--max-body-bytes" in err["message"]
     assert err["code"] == "body_too_large"
     # with a Content-Length header the answer comes before the body is read; /health, asked
-    # meanwhile, answers (before the fix it waited ~45 s for the 50 MB prompt to be tokenized)
+    # meanwhile, answers (were the prompt tokenized on the event loop, it would wait ~45 s)
     result.clear()
     sender = threading.Thread(target=lambda: result.setdefault("r", post(
         url, content=b"x" * BIG, headers={"content-type": "application/json"})))
@@ -402,15 +402,15 @@ def test_serve_cli_on_port_0_with_a_key_from_the_environment():
     assert rc == 130
 
 
-# --- issue 38 item 2: one huge number must not kill other people's requests -------------------
+# --- one huge number must not kill other people's requests ------------------------------------
 HUGE = int("9" * 400)
 
 
 def test_huge_integers_are_400s_naming_the_field_while_others_are_served(tiny, offline):
-    """Under --policy score a 400-digit max_tokens used to overflow the policy's float arithmetic
-    inside the engine's step: a 500 for it, for every request in flight and for the next one. Now
-    every integer field is bounded at parse time: each is a 400 naming the field, a request in
-    flight meanwhile gets the offline engine's tokens, and the next request works."""
+    """Under --policy score an unbounded 400-digit max_tokens would overflow the policy's float
+    arithmetic inside the engine's step: a 500 for it, for every request in flight and for the
+    next one. Every integer field is bounded at parse time: each is a 400 naming the field, a
+    request in flight meanwhile gets the offline engine's tokens, and the next request works."""
     llm = LLM(tiny, engine="paged", num_blocks=96, max_num_seqs=16, policy="score")
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     want = offline.generate(["Hello there"], params)[0]
@@ -448,7 +448,7 @@ def test_huge_integers_are_400s_naming_the_field_while_others_are_served(tiny, o
         assert_still_serving(url, app, offline)
 
 
-# --- issue 55: strict numbers, 404s that help ---------------------------------------------------
+# --- strict numbers, 404s that help -------------------------------------------------------------
 @pytest.mark.parametrize("field,value,ok", [
     ("temperature", 1, True), ("temperature", 0.5, True), ("temperature", "1", False),
     ("temperature", True, False), ("top_p", 1, True), ("top_p", "0.9", False),

@@ -1,7 +1,7 @@
 """Every notebook runs headless, top to bottom, without an error (quick mode), and is stored
 without outputs.
 
-They run as a class runs them (issue 40): in a handout (``lab handout``) where every exercise is a
+They run as a class runs them: in a handout (``lab handout``) where every exercise is a
 stub and the student's ``labwork/`` holds a solution for each, so each notebook's first cell
 stands the student's files in, and the ranks rungs 7, 10 and 11 spawn load them too. In the
 teacher's repository ``labwork.use()`` changes nothing, so this covers that path as well."""

@@ -40,7 +40,7 @@ from ...dist.comm import WorkerError, deferred_interrupt
 from ...dist.launcher import WorkerGroup, launch
 from .config import DisaggConfig
 from .prefill import run_prefill_worker
-from .transfer import (Command, Handoff, Reply, end_unadmitted, land, make_room_for_head,
+from .transfer import (Command, Handoff, Reply, end_unadmitted, install_blocks, make_room_for_head,
                        pool_layout, recv_blocks)
 
 MAX_TRANSFERS = 10_000
@@ -194,7 +194,7 @@ class DisaggEngine(PagedEngine):
         try:
             if self.pending is not None and (block or self.pending.done()):
                 (reply, moved), self.pending = self.pending.result(), None
-                self._land(reply, moved)
+                self._take_reply(reply, moved)
             if send and self.pending is None and (
                     self.prefilling or self.ready or self.command.new or self.command.aborts or
                     self.command.acks):
@@ -229,10 +229,10 @@ class DisaggEngine(PagedEngine):
         a block: it decodes on), a waiting one's admission (all it has left to compute). A pulled
         request lands behind the waiting queue; blocks landed where the queue cannot admit them
         would only wait there (and be given back: ``_idle``)."""
-        bm = self.block_manager
-        return sum(max(1, bm.blocks_needed(s, s.num_uncomputed))
+        blocks = self.block_manager
+        return sum(max(1, blocks.blocks_needed(s, s.num_uncomputed))
                    for g in self.scheduler.running for s in g.seqs) + \
-            sum(bm.blocks_needed(s, s.num_uncomputed) for g in self.scheduler.waiting
+            sum(blocks.blocks_needed(s, s.num_uncomputed) for g in self.scheduler.waiting
                 for s in g.seqs)
 
     def _idle(self, out: StepOutput) -> StepOutput:
@@ -273,7 +273,7 @@ class DisaggEngine(PagedEngine):
         threading.Thread(target=read, name="minillm-disagg-reply", daemon=True).start()
         return done
 
-    def _land(self, reply: Reply, moved: list[tuple[list[torch.Tensor], float]]) -> None:
+    def _take_reply(self, reply: Reply, moved: list[tuple[list[torch.Tensor], float]]) -> None:
         """The prefill worker's reply: newly prefilled requests, and the pulled blocks (with the
         seconds each hand-off's bytes took to arrive)."""
         self.prefill_pool = (reply.free_blocks, reply.num_blocks)
@@ -295,7 +295,7 @@ class DisaggEngine(PagedEngine):
             return None
         seq = self.scheduler.add(req).seqs[0]
         # None: the decode step took the room since the pull; the prompt is recomputed here
-        landed = land(self.block_manager, self.runner.pool, seq, h.num_tokens, data) is not None
+        landed = install_blocks(self.block_manager, self.runner.pool, seq, h.num_tokens, data) is not None
         self.transfers[h.request_id] = done = Transfer(h.num_tokens, h.num_blocks,
                                                        h.nbytes(self.layout), seconds,
                                                        time.perf_counter() - t, landed)

@@ -14,7 +14,7 @@ import torch
 
 from ...core.engine import PagedEngine
 from ...core.runner import reaching_end
-from ...core.scheduler import SchedulerOutput, SequenceGroup
+from ...core.scheduler import Constraints, SchedulerOutput, SequenceGroup
 from ...request import FinishReason, Request, RequestError, SamplingParams
 from ...runtime.interface import StepOutput
 from ...dist.comm import IDLE_TIMEOUT_S, Comm, WorkerError
@@ -35,7 +35,7 @@ class PrefillEngine(PagedEngine):
 
     # --- the core's step, three phases overridden (core/engine.py) ------------------------------
     def schedule_step(self) -> SchedulerOutput:
-        return self.scheduler.schedule(exclude=set(self.parked.values()))
+        return self.scheduler.schedule(Constraints(exclude=set(self.parked.values())))
 
     def _idle(self, out: StepOutput) -> StepOutput:
         return out      # all parked: rank 0's pulls free blocks, not a livelock
@@ -100,11 +100,11 @@ def serve(comm: Comm, engine: PrefillEngine) -> None:
             engine.abort(rid)
         engine.forget_aborted()
         sent = [engine.export(rid) for rid in cmd.pulls]
-        bm = engine.block_manager
+        allocator = engine.block_manager
         ready = [(rid, engine.parked[rid].seqs[0].num_computed_tokens) for rid in parked
                  if rid in engine.parked]
-        comm.send_object(Reply(ready, [h for h, _ in sent], bm.num_free_blocks, bm.num_blocks,
-                               engine.snapshot() if cmd.snapshot else None), 0)
+        comm.send_object(Reply(ready, [h for h, _ in sent], allocator.num_free_blocks,
+                               allocator.num_blocks, engine.snapshot() if cmd.snapshot else None), 0)
         for _, data in sent:
             send_blocks(comm, 0, data)
         comm.prune()

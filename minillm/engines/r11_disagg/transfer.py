@@ -15,7 +15,7 @@ prompt's K/V (``filled_blocks``) and sends each pool tensor's rows at those bloc
 (``send_blocks``); the receiver knows the layout, so it knows how many bytes to expect
 (``Handoff.nbytes``) and how to view them as tensors again (``recv_blocks``); then it allocates
 blocks in its own pool for those tokens, writes the rows in and registers the full blocks in its
-prefix cache (``land``).
+prefix cache (``install_blocks``).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def recv_blocks(comm: Comm, src: int, num_blocks: int, layout: Layout) -> list[t
     return out
 
 
-def land(block_manager: BlockManager, pool, seq: Sequence, num_tokens: int,
+def install_blocks(block_manager: BlockManager, pool, seq: Sequence, num_tokens: int,
          data: list[torch.Tensor]) -> list[int] | None:
     """The receiver's half: blocks in this pool for ``seq``'s first ``num_tokens`` tokens
     (``BlockManager.allocate_loaded``: they count as computed), the moved rows written into them

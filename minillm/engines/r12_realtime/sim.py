@@ -1,6 +1,6 @@
 """Rung 12 on a clock of steps (notebook 12, ``tests/rungs/test_r12_slo_policy.py``,
 ``tests/rungs/test_r12_batch_controller.py``): the real ``PagedEngine`` — its scheduler, policy and batch
-controller — computing nothing (the visualizer's ``NullRunner``), every step billed by a cost
+controller — computing nothing (rung 5's ``NullRunner``), every step timed by a cost
 model ``a + b * tokens`` ms (``step_cost``). Deadlines, TTFT and TPOT are then read on the
 scheduler's own clock (``Scheduler.now_ms``), so a run is the same on every machine and the
 policies can be compared request by request.
@@ -16,7 +16,7 @@ from .. import engine_kwargs
 from .slo import SLO
 from ...core.sequence import Sequence
 from ...request import Request, SamplingParams
-from ...viz.replay import NullRunner, ReplayModel
+from ..r5_allocators.null import NullRunner, ReplayModel
 
 SIM_TOKEN = 7       # what every sample "generates": never an end, so a request runs max_tokens
 
@@ -30,7 +30,7 @@ class ConstSampler:
 
 def sim_engine(policy: str = "fcfs", cost: tuple[float, float] = (5.0, 0.5),
                num_blocks: int = 256, block_size: int = 8, **options) -> PagedEngine:
-    """A ``PagedEngine`` that computes nothing and bills each step ``a + b * tokens`` ms;
+    """A ``PagedEngine`` that computes nothing and times each step ``a + b * tokens`` ms;
     ``options``: its scheduler's (``max_num_seqs``, ``batch_controller``, the policy's)."""
     a, b = cost
     return PagedEngine(ReplayModel(1 << 16, 1), block_size=block_size, runner=NullRunner(),

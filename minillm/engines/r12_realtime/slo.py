@@ -2,7 +2,7 @@
 (``core/policy.py``) on the scheduler's clock.
 
 - ``slo``: earliest deadline first. A request's deadline is that of its next token on the
-  scheduler's clock (``Scheduler.now_ms``: the sum of the step times it was told, so a run billed
+  scheduler's clock (``Scheduler.now_ms``: the sum of the step times it was told, so a run timed
   by a cost model is the same on every machine): ``arrival_ms + ttft + tpot * generated``, with
   the request's objectives (``Request.ttft_slo_ms``/``tpot_slo_ms``, the HTTP fields of the same
   names) or the config's defaults for those it lacks. Fixed while it waits (tokens land only for

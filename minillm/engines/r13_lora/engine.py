@@ -11,8 +11,8 @@ Rung 3's engine through its seams; nothing of the step is written twice:
   So that those cannot keep the slots busy forever, the oldest request waiting for a slot is
   skipped at most ``max_lora_skips`` steps: then no adapter request behind it starts until it has
   a slot (base-model requests hold no slot and still start);
-* ``prefix_seed`` starts a request's block hashes from its adapter, so the prefix cache never hands
-  one adapter's K/V to another (the same prompt has different K/V under each).
+* a request's ``cache_salt`` (``request.py``) starts its block hashes from its adapter, so the
+  prefix cache never hands one adapter's K/V to another (the same prompt has different K/V).
 
 Preemption, n > 1 and beam search need nothing more: a request's samples and beams share its
 adapter. Speculative decoding with adapters is refused (``paged`` with both options is rung 6,
@@ -147,10 +147,6 @@ class LoRAEngine(PagedEngine):
         """``group`` (the starving request, forgotten once admitted) still waits: an aborted one
         has left the scheduler."""
         return group is not None and self.scheduler.groups.get(group.request.request_id) is group
-
-    def prefix_seed(self, request: Request):
-        name = adapter_name(request)
-        return None if name is None else ("lora", name)
 
     # --- what views may ask ---------------------------------------------------------------------
     def describe(self) -> dict:

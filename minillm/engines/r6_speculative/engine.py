@@ -6,7 +6,7 @@ This rung is the paged engine's step with its two extension points filled in:
 sequence simply having 1 + k tokens to compute (its slots reserved like any tokens; guesses the
 budget has no room for are dropped) beside ordinary decodes and prefill chunks -> one forward
 returns logits for all 1 + k positions of each speculating sequence -> ``verify`` — the acceptance
-rule keeps a prefix of the guesses plus the target's own next token -> ``Scheduler.postprocess``
+rule keeps a prefix of the guesses plus the target's own next token -> ``Scheduler.update_from_output``
 commits them and gives back the slots of the rejected ones at once (``BlockManager.truncate``).
 
 Only n = 1 requests without beam search speculate (greedy and sampled): n > 1 samples and beams

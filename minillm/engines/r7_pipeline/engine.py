@@ -14,7 +14,7 @@ come back. Rank 0 owns the one ``Scheduler`` and ``BlockManager`` (rung 3's, unc
 rank applies the block tables and slot mappings rank 0 sends it, so the KV pools stay in step.
 
 Exactness: the logits of the rows to sample come back to rank 0, which samples them with rung 3's
-``Sampler`` and commits them with the scheduler's ``postprocess``: with one micro-batch in flight
+``Sampler`` and commits them with the scheduler's ``update_from_output``: with one micro-batch in flight
 this engine makes exactly the single-process engine's steps, so its tokens are that engine's
 tokens (n > 1, beams, preemption and prefix caching included).
 
@@ -166,7 +166,7 @@ class PipelineEngine(PagedEngine):
         index, timeline, sched = step.index, self.comm.timeline, step.sched
         with timeline.span("schedule", index):
             ids, inputs, reached = self.runner.prepare_step(sched.scheduled, sched.copies, index)
-            self.scheduler.commit_computed(sched)
+            self.scheduler.update_after_forward(sched)
             step.committed = True
         t = time.perf_counter()
         # Every rank must see all of a micro-batch or none of it, and rank 0 must know it is in

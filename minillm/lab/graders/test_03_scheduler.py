@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from minillm import LLM, SamplingParams
 from minillm.core.block_manager import BlockManager
+from minillm.core.sampler import SamplerOutput
 from minillm.core.runner import reaching_end, step_order
 from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.lab.checks import book_state, check_books
@@ -45,8 +46,9 @@ def fake_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
     """What the engine does after scheduling, with a model that samples token 1 every time."""
     order = step_order(out.scheduled)
     reached = [order[k][0] for k in reaching_end(order)]
-    sched.commit_computed(out)
-    return sched.postprocess([(s, 1) for _, s in sched.rows_to_sample(reached)], [])
+    sched.update_after_forward(out)
+    rows = sched.rows_to_sample(reached)
+    return sched.update_from_output(SamplerOutput([(s, 1) for _, s in rows], []))
 
 
 def probe_random_run(reqs: list, num_blocks: int, block_size: int, budget: int, max_seqs: int,

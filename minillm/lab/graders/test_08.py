@@ -1,18 +1,18 @@
 """Exercise 08 — the scheduling policies: ``Priority.key``, ``Priority.preempts``,
-``remaining_tokens``, ``Score.score`` and ``Score.preempts`` (``minillm/core/policy.py``).
+``remaining_tokens``, ``Score.score`` and ``Score.preempts`` (``engines/r8_policies/policy.py``).
 
 Graded on behaviour, with the real scheduler and block manager (a model that computes nothing,
-counting steps, never seconds) and then the real engine: an urgent request gets the next step
-when the batch is full and when the pool is full; classes within the threshold never evict each
-other; ``score`` admits a starved request within the bound of the module's docstring on a stream
-that starves ``priority``; random streams finish with no leaks and no ping-pong evictions; and the
+counting steps, never seconds) and then the real engine: an urgent request gets the next step when
+the batch is full and when the pool is full; classes within the threshold never evict each other;
+``score`` admits a starved request within the bound of the module's docstring on a stream that
+starves ``priority``; random streams finish with no leaks and no ping-pong evictions; and the
 tokens of every request equal FCFS's (a policy changes the order, never the outputs).
 
 The simulations run in the student's process (``probe_*``, the ``student`` fixture) and send back
-what happened (who was scheduled when, who evicted whom, what finished), judged here; the
-functions are also asked directly, on groups built to tell the plausible mistakes apart (the
-first or slowest sample, finished samples or the prompt counted, ``arrival_index`` for
-``arrival_step``, ``>=`` for ``>``, the arguments of ``preempts`` swapped).
+what happened (who was scheduled when, who evicted whom, what finished), judged here; the functions
+are also asked directly, on groups built to tell the plausible mistakes apart (the first or slowest
+sample, finished samples or the prompt counted, ``arrival_index`` for ``arrival_step``, ``>=`` for
+``>``, ``preempts``' arguments swapped).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from minillm import SamplingParams
 from minillm.core.block_manager import BlockManager
+from minillm.core.sampler import SamplerOutput as Sampled
 from minillm.engines.r8_policies.policy import Priority, Score, get_policy, remaining_tokens
 from minillm.core.runner import reaching_end, step_order
 from minillm.core.scheduler import Scheduler, SchedulerOutput
@@ -37,21 +38,21 @@ OUTSIDE = True       # judged in the grading process on values from the student'
 
 def fake_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
     order = step_order(out.scheduled)
-    reached = [order[k][0] for k in reaching_end(order)]
-    sched.commit_computed(out)
-    return sched.postprocess([(s, 1) for _, s in sched.rows_to_sample(reached)], [])
+    reached = [order[k][0] for k in reaching_end(order)]    # (before the K/V are counted)
+    sched.update_after_forward(out)
+    return sched.update_from_output(Sampled([(s, 1) for _, s in sched.rows_to_sample(reached)], []))
 
 
 def make_policy(spec):
     """A policy from plain data: a name, or ("Priority", threshold), or ("Score", *weights)."""
     if isinstance(spec, str):
         return get_policy(spec)
-    return Priority(*spec[1:]) if spec[0] == "Priority" else Score(*spec[1:])
+    return (Priority if spec[0] == "Priority" else Score)(*spec[1:])
 
 
 class Sim:
-    """A scheduler, a clock in steps, and every event: when each request was first scheduled,
-    each eviction for priority (step, victim, candidate), and who was scheduled at each step."""
+    """A scheduler, a clock in steps, and every event: when each request was first scheduled, each
+    eviction for priority (step, victim, candidate), and who was scheduled at each step."""
 
     def __init__(self, num_blocks=64, block_size=4, budget=64, max_seqs=4, policy="fcfs"):
         self.bm = BlockManager(num_blocks, block_size)
@@ -94,9 +95,8 @@ class Sim:
 
 def judged(s: dict) -> dict:
     """What every simulation must show, checked here on what the student's process sent."""
-    for step, victim, _ in s["evictions"]:
-        assert victim not in s["steps"][step], \
-            f"step {step}: {victim} was evicted for priority and scheduled again in the same step"
+    for step, victim, _ in s["evictions"]:    # evicted for priority, scheduled again that step:
+        assert victim not in s["steps"][step], f"step {step}: {victim} evicted and rescheduled"
     assert not s["unfinished"], f"requests still unfinished after {s['step']} steps (livelock?)"
     assert s["free"] == s["blocks"], f"{s['blocks'] - s['free']} blocks leaked: the pool must end full"
     return s
@@ -199,7 +199,7 @@ def test_priority_starves_the_low_request_under_a_steady_urgent_stream(student):
 @pytest.mark.parametrize("weights", [(1.0, 0.1, 1000.0, 10.0), (0.5, 1.0, 20.0, 0.0),
                                      (2.0, 0.0, 300.0, 50.0)])
 def test_score_admits_the_low_request_within_its_bound(student, weights):
-    """The bound of core/policy.py's docstring: D = overtake_horizon; the requests that can rank
+    """The bound of r8_policies/policy.py's docstring: D = overtake_horizon; the requests that can rank
     ahead arrived by step D; with S seats and L steps each, admission by D + ceil(ahead/S) * L."""
     policy = Score(*weights)            # the reference's, here: D from the definition
     max_seqs, max_tokens, prompt_len = 2, 4, 4

@@ -1,13 +1,13 @@
 """Exercise 11 — the KV hand-off of prefill/decode disaggregation, in
 ``minillm/engines/r11_disagg/transfer.py``: ``filled_blocks`` (which blocks move),
 ``Handoff.nbytes`` and ``recv_blocks`` (how many bytes arrive and how the receiver reads them back
-as tensors), ``land`` (what the receiver allocates and writes).
+as tensors), ``install_blocks`` (what the receiver allocates and writes).
 
 Graded on values your functions return in your process (``probe_*``, the ``student`` fixture),
 judged here: the blocks against the definition (the first ceil(n / block_size)), the bytes
 against the package's pools' tensors (fp32, int8 with its scales, bf16, fp8), a round trip
 through an in-memory link that holds ``recv_blocks`` to exactly the bytes each message carries,
-and ``land`` on a real block manager and pool (blocks, computed tokens, the rows written, the
+and ``install_blocks`` on a real block manager and pool (blocks, computed tokens, the rows written, the
 prefix cache, and nothing allocated when there is no room — also when the pool is short by the
 partly filled block only). Then end to end: the disagg engine, started in your process (both
 workers load your file), must give the paged engine's tokens, computed here, and leave both pools
@@ -22,7 +22,7 @@ import torch
 
 from minillm import SamplingParams
 from minillm.core.engine import PagedEngine
-from minillm.engines.r11_disagg.transfer import (Handoff, filled_blocks, land, pool_layout,
+from minillm.engines.r11_disagg.transfer import (Handoff, filled_blocks, install_blocks, pool_layout,
                                                  recv_blocks)
 from minillm.request import Request
 
@@ -140,7 +140,7 @@ def waiting_seq(eng, prompt):
 
 
 def probe_land(fmt: str, cases: list) -> list:
-    """``land`` on a receiving engine's block manager and pool, for each (tokens, rows): what
+    """``install_blocks`` on a receiving engine's block manager and pool, for each (tokens, rows): what
     it returned, the sequence's table and computed tokens, the blocks the pool lost, the rows
     the blocks hold afterwards, and which blocks have a prefix-cache hash."""
     receiver = engine(tiny_model(), fmt, enable_prefix_caching=True)
@@ -148,7 +148,7 @@ def probe_land(fmt: str, cases: list) -> list:
     for n, data in cases:
         seq = waiting_seq(receiver, list(range(10 * n, 11 * n + 1)))   # (nothing cached yet)
         free = bm.num_free_blocks
-        blocks = land(bm, pool, seq, n, data)
+        blocks = install_blocks(bm, pool, seq, n, data)
         blocks = None if blocks is None else [int(b) for b in blocks]
         out.append({"blocks": blocks, "table": [int(b) for b in seq.block_table],
                     "lost": free - bm.num_free_blocks, "computed": int(seq.num_computed_tokens),
@@ -167,7 +167,7 @@ def test_land_allocates_writes_and_caches(tiny, student, fmt):
     for (n, data), got in zip(cases, student.run(probe_land, fmt, cases), strict=True):
         blocks = got["blocks"]
         assert blocks is not None and blocks == got["table"], \
-            "land returns the blocks it gave the sequence (its block table)"
+            "install_blocks returns the blocks it gave the sequence (its block table)"
         assert len(blocks) == len(data[0]) and got["lost"] == len(blocks), \
             f"{n} tokens need {len(data[0])} blocks; the pool lost {got['lost']}"
         assert got["computed"] == n, \
@@ -179,7 +179,7 @@ def test_land_allocates_writes_and_caches(tiny, student, fmt):
 
 
 def probe_no_room(cases: list) -> list:
-    """A pool of 4 blocks of 4 slots, ``hog`` tokens held by another sequence; then ``land`` of
+    """A pool of 4 blocks of 4 slots, ``hog`` tokens held by another sequence; then ``install_blocks`` of
     ``n`` tokens: what it returned, the new sequence's table and computed tokens, blocks free."""
     out = []
     for hog_tokens, n in cases:
@@ -190,7 +190,7 @@ def probe_no_room(cases: list) -> list:
         data = receiver.runner.pool.read_blocks(list(range(-(-n // 4))))
         seq = waiting_seq(receiver, list(range(30, 31 + n)))
         try:
-            got = land(bm, receiver.runner.pool, seq, n, data)
+            got = install_blocks(bm, receiver.runner.pool, seq, n, data)
             answer = None if got is None else [int(b) for b in got]
         except NotImplementedError:
             raise                     # a stub: the test fails with its message
@@ -209,7 +209,7 @@ def test_land_with_no_room_allocates_nothing(student):
     for (hog, n), (answer, table, computed, free) in zip(cases, student.run(probe_no_room, cases),
                                                          strict=True):
         need, have = -(-n // 4), 4 - -(-hog // 4)
-        assert answer is None, (f"{n} tokens need {need} blocks and {have} are free: land "
+        assert answer is None, (f"{n} tokens need {need} blocks and {have} are free: install_blocks "
                                 f"returns None (got {answer})")
         assert not table and free == have and computed == 0, \
             "a hand-off that does not fit must leave the pool and the sequence as they were"

@@ -58,7 +58,7 @@ def watch(engine) -> dict:
     not running; ``twice`` — a step landing more often than steps were launched."""
     sched = engine.scheduler
     log = {"launched": 0, "landed": 0, "early": [], "leaks": [], "twice": 0}
-    plan, land = sched.schedule, sched.postprocess
+    plan, land = sched.schedule, sched.update_from_output
 
     def schedule(*args, **kwargs):
         if log["landed"] < log["launched"]:
@@ -67,18 +67,18 @@ def watch(engine) -> dict:
         log["launched"] += bool(out.scheduled)
         return out
 
-    def postprocess(tokens, beam_logprobs, *args, **kwargs):
+    def update_from_output(sampled):
         log["landed"] += 1
         log["twice"] += log["landed"] > log["launched"]
-        for seq, *_ in list(tokens) + list(beam_logprobs):
+        for seq, *_ in list(sampled.tokens) + list(sampled.beam_logprobs):
             group = sched.groups.get(seq.request.request_id)
             state = ("ended" if group is None else "preempted" if group not in sched.running
                      else "running" if seq in group.seqs else "a finished sample")
             if state != "running":
                 log["leaks"].append([seq.request.request_id, state])
-        return land(tokens, beam_logprobs, *args, **kwargs)
+        return land(sampled)
 
-    sched.schedule, sched.postprocess = schedule, postprocess
+    sched.schedule, sched.update_from_output = schedule, update_from_output
     return log
 
 

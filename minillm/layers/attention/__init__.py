@@ -10,18 +10,6 @@ The engine never imports a kernel: ``get_attention_backend`` picks one by name a
 """
 from __future__ import annotations
 
-import os
-
-
-def choose_triton_mode() -> None:
-    """Without CUDA, make Triton run its kernels in its CPU interpreter (unless the user chose).
-    Triton decides when it is first imported, and transformers imports it early (in
-    ``load_model``), so ``minillm`` calls this on import, before that (triton/__init__.py too)."""
-    import torch
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def get_attention_backend(name: str | None, device, dtype=None):
     """``torch`` (rung 3's reference), ``cpp`` (rung 3's decode as a C++ kernel for the CPU) or
     ``triton`` (rung 4). By default: triton on CUDA when it is installed (else torch); on the CPU

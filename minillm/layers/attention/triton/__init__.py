@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from .. import choose_triton_mode
+from ..triton_mode import choose_triton_mode
 
 choose_triton_mode()
 

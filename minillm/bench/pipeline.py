@@ -1,7 +1,7 @@
 """Busy and bubble fractions of each pipeline rank with 1, 2, 4 micro-batches in flight
 (notebook 07 draws the same runs as Gantt charts).
 
-    python -m minillm.engines.r7_pipeline.measure --model smollm2-135m-instruct --stages 2 \\
+    python -m minillm.bench.pipeline --model smollm2-135m-instruct --stages 2 \\
         --microbatches 1,2,4 --requests 16 --gantt pipeline.png
 
 One pipeline is launched and the same workload (``minillm.workload``, greedy, fixed lengths) is run
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...metrics import RunMetrics
-from ...workload import make_workload, to_requests
-from .timeline import Event, RankSummary, format_summary, summarize
+from ..metrics import RunMetrics
+from ..workload import make_workload, to_requests
+from ..engines.r7_pipeline.timeline import Event, RankSummary, format_summary, summarize
 
 
 @dataclass
@@ -78,7 +78,7 @@ def report(runs: list[Measurement]) -> str:
 def plot_runs(runs: list[Measurement], path: str | None = None):
     import matplotlib.pyplot as plt
 
-    from .timeline import plot_gantt
+    from ..engines.r7_pipeline.timeline import plot_gantt
 
     piped = [m for m in runs if m.events]
     fig, axes = plt.subplots(len(piped), 1, figsize=(11, 1.6 + 1.3 * len(piped)), squeeze=False)
@@ -91,9 +91,9 @@ def plot_runs(runs: list[Measurement], path: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ...llm import LLM
+    from ..llm import LLM
 
-    p = argparse.ArgumentParser(prog="python -m minillm.engines.r7_pipeline.measure",
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.pipeline",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")

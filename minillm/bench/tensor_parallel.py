@@ -1,7 +1,7 @@
 """Tensor vs pipeline parallelism on one workload: tokens, throughput, time to first token,
 all-reduce share and KV bytes per rank (notebook 10; docs/rungs/10_tensor.md's table).
 
-    python -m minillm.engines.r10_tensor.measure --model smollm2-135m-instruct \\
+    python -m minillm.bench.tensor_parallel --model smollm2-135m-instruct \\
         --layouts 1x1,1x2,3x1,3x2 --requests 16 --max-tokens 32
 
 A layout ``TxP`` is T tensor-parallel ranks per stage and P stages (``1x1``: the single-process
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...metrics import RunMetrics
-from ...workload import make_workload, to_requests
-from ..r7_pipeline.timeline import Event
-from .timeline import all_reduce_share, format_summary
-from .traffic import measure_all_reduce
+from ..metrics import RunMetrics
+from ..workload import make_workload, to_requests
+from ..engines.r7_pipeline.timeline import Event
+from ..engines.r10_tensor.timeline import all_reduce_share, format_summary
+from ..engines.r10_tensor.traffic import measure_all_reduce
 
 
 @dataclass
@@ -66,7 +66,7 @@ def parse_layouts(text: str) -> list[Layout]:
 
 def measure(model, layout: Layout, items, threads: int = 1) -> Measurement:
     """One layout: launch it, warm up, run the workload, gather its timeline, close it."""
-    from ...llm import LLM
+    from ..llm import LLM
 
     extra = {"worker_threads": threads} if layout.options else {}
     llm = LLM(model, **layout.options, **extra)
@@ -99,9 +99,9 @@ def table(runs: list[Measurement]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ...models import load_model
+    from ..models import load_model
 
-    p = argparse.ArgumentParser(prog="python -m minillm.engines.r10_tensor.measure",
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.tensor_parallel",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")

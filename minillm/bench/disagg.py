@@ -1,7 +1,7 @@
 """Interference, measured: steady decodes while long prompts arrive, in one engine and
 disaggregated (notebook 11; docs/rungs/11_disagg.md's table).
 
-    python -m minillm.engines.r11_disagg.measure --model smollm2-135m-instruct \\
+    python -m minillm.bench.disagg --model smollm2-135m-instruct \\
         --steady 8 --long 6 --long-len 512 --long-every 0.6
 
 ``steady`` requests (short prompts, long answers) all arrive at the start; ``long`` ones (long
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...request import Request, SamplingParams
+from ..request import Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -134,11 +134,11 @@ def plot_itl(runs: list[Measurement], ax=None, arrivals: list[float] = ()):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ...core.engine import PagedEngine
-    from ...models import load_model
-    from .engine import DisaggEngine
+    from ..core.engine import PagedEngine
+    from ..models import load_model
+    from ..engines.r11_disagg.engine import DisaggEngine
 
-    p = argparse.ArgumentParser(prog="python -m minillm.engines.r11_disagg.measure",
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.disagg",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")

@@ -1,7 +1,7 @@
 """How often a truncated-layer draft's guess is kept, per position, under three rules (notebook 06;
 docs/rungs/06_speculative.md's numbers for the seed promise's price):
 
-    python -m minillm.engines.r6_speculative.coupling --temperature 1.0
+    python -m minillm.bench.spec_coupling --temperature 1.0
 
   leviathan  sum(min(p, q)): min(1, p/q) rejection sampling (unseeded requests; the most any rule
              can keep)
@@ -20,10 +20,10 @@ import json
 
 import torch
 
-from ...models import load_model
-from ...request import SamplingParams
-from ...sampling import filtered_probs
-from ...workload import make_copy_workload, make_workload
+from ..models import load_model
+from ..request import SamplingParams
+from ..sampling import filtered_probs
+from ..workload import make_copy_workload, make_workload
 
 
 def invcdf_agree(lp: torch.Tensor, lq: torch.Tensor, t: float) -> float:
@@ -46,7 +46,7 @@ def gumbel_agree(lp: torch.Tensor, lq: torch.Tensor, t: float, n: int = 200) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ...llm import LLM
+    from ..llm import LLM
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--layers", default="7,15,27", help="draft depths to compare")
