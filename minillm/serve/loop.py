@@ -332,7 +332,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - still tell every client
             log.exception("engine reset failed")
         try:
-            self._set_stats(self.EngineStats.of(engine))
+            self._set_stats(EngineStats.of(self.engine))
         except Exception:  # noqa: BLE001 - keep the previous record; still tell every client
             log.exception("engine stats failed after a reset")
         handles, self.handles = list(self.handles.values()), {}

@@ -14,6 +14,7 @@ numbers, and the three allocators differ in memory only.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from ..core.beam import BeamChoice
 from ..engines import engine_kwargs
 from ..core.engine import PagedEngine
 from ..core.sequence import Sequence
+from ..memory import MemorySnapshot
 from ..request import Request, SamplingParams
 from ..workload import SimRequest
 from .accounting import ALLOCATOR_LABELS, SimConfig, SimResult
@@ -72,7 +74,6 @@ def replay_engine(cfg: SimConfig, allocator: str, requests: dict[str, SimRequest
         **engine_kwargs({"policy": cfg.policy, **cfg.policy_options}), runner=NullRunner(),
         sampler=ReplaySampler(requests),
         block_manager=alloc, select_beams=ReplayBeams(requests))
-    engine.name = ALLOCATOR_LABELS[allocator]        # what its snapshots are titled
     return engine
 
 
@@ -101,11 +102,16 @@ def simulate(requests: list[SimRequest], allocator: str = "paged", config: SimCo
                     ScheduledArrivals([(r.arrival_step, as_request(r)) for r in requests]),
                     validate=cfg.validate or allocator != "paged",   # a trace's paged run took all
                     on_reject=lambda req, e: rejected.append(req.request_id),
-                    on_step=(lambda out, rec: snaps.append(engine.snapshot()))
+                    on_step=(lambda out, rec: snaps.append(titled(engine.snapshot(), allocator)))
                     if cfg.keep_snapshots else None,
                     max_steps=max_steps)
     steps = driver.run().steps
     return SimResult(allocator, cfg, steps, snaps, len(requests), rejected)
+
+
+def titled(snap: MemorySnapshot, allocator: str) -> MemorySnapshot:
+    """A replay's snapshot, titled by its allocator (the engine is the paged one under each)."""
+    return dataclasses.replace(snap, engine=ALLOCATOR_LABELS[allocator])
 
 
 def compare(requests: list[SimRequest], config: SimConfig | None = None,

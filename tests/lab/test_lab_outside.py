@@ -196,7 +196,7 @@ NAMED = {   # wrong solutions that a grader could pass or meet with a raw error:
                 "    except NoFreeBlocksError:\n        return None\n",
                 "    if block_manager.num_free_blocks < num_tokens // block_manager.block_size:\n"
                 "        return None\n    blocks = block_manager.allocate_loaded(seq, num_tokens)\n")],
-        "no_room", "9 tokens need 3 blocks and 2 are free: land returns None"),
+        "no_room", "9 tokens need 3 blocks and 2 are free: install_blocks returns None"),
 }
 
 

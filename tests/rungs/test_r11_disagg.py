@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from minillm import FinishReason, SamplingParams
 from minillm.dist.comm import WorkerError
+from minillm.engines import create_engine
 from minillm.engines.r11_disagg.engine import DisaggEngine
 from minillm.lab.reference import random_prompts
 from minillm.request import RequestError
@@ -221,7 +222,7 @@ def tight_pools(tiny):
     def get(name):
         if name not in engines:
             shared, own = TIGHT_POOLS[name]
-            engines[name] = DisaggEngine(tiny, lockstep=True, **shared, **own)
+            engines[name] = create_engine("disagg", tiny, lockstep=True, **shared, **own)
         return engines[name], TIGHT_POOLS[name][0]
     yield get
     for engine in engines.values():

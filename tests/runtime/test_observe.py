@@ -171,7 +171,6 @@ ENGINE_PARTS = {"engine", "scheduler", "block_manager", "bm", "runner", "sampler
 ALLOWED = {
     # rung 7's own measurement tool, not a view: micro-batches are rank 0's alone (engine.py)
     ("minillm/bench/pipeline.py", "engine.num_microbatches"),
-    ("minillm/viz/replay.py", "engine.name"),   # the replay's own engine, titled by allocator
 }
 
 
