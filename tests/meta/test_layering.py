@@ -6,13 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from architecture import sources, strongly_connected   # (tests/meta/architecture.py)
+
 PKG = Path(__file__).resolve().parents[2] / "minillm"
 VIEWS = [PKG / "serve", PKG / "viz", PKG / "__main__.py", PKG / "llm.py"]
-
-
-def sources(*roots: Path) -> dict[str, str]:
-    files = [f for r in roots for f in ([r] if r.is_file() else sorted(r.rglob("*.py")))]
-    return {str(f.relative_to(PKG.parent)): f.read_text() for f in files}
 
 
 def type_only(tree: ast.AST) -> set[int]:
@@ -69,48 +66,6 @@ def import_cycles(files: dict[str, str]) -> list[list[str]]:
             if parts and target != name and not name.startswith(target + "."):
                 graph[name].add(target)
     return strongly_connected(graph)
-
-
-def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's algorithm (iterative): every component of more than one module."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found = []
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            v, edges = work[-1]
-            w = next(edges, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = len(index)
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(sorted(graph.get(w, ())))))
-                elif w in on_stack:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    found.append(sorted(comp))
-    return found
 
 
 def factories_with_side_effects(files: dict[str, str]) -> list[str]:
