@@ -132,8 +132,7 @@ class PagedEngine(Engine):
         self.scheduler.add(req)
 
     @property
-    def groups(self) -> dict[str, SequenceGroup]:
-        """Requests in flight, by id (the scheduler owns them)."""
+    def groups(self) -> dict[str, SequenceGroup]:    # requests in flight, by id (the scheduler's)
         return self.scheduler.groups
 
     def has_unfinished(self) -> bool:
@@ -213,15 +212,21 @@ class PagedEngine(Engine):
             if not sched.scheduled:
                 return
             groups = {self.groups[s.request.request_id] for s, _ in sched.scheduled}
-            self.in_flight.append(self.launch(LaunchedStep(sched, groups, index=self.num_launched)))
+            step = LaunchedStep(sched, groups, index=self.num_launched)
+            self.in_flight.append(step)   # first: if work went out (rung 7), a reset waits for it
             self.num_launched += 1
+            try:
+                self.launch(step)
+            except BaseException:       # Ctrl-C, say: no handle = nothing went out, not in flight
+                if step.handle is None:
+                    self.in_flight.pop()
+                raise
 
     def schedule_step(self) -> SchedulerOutput:     # (sequence, tokens) pairs within the budget
         return self.scheduler.schedule()
 
-    def launch(self, step: LaunchedStep) -> LaunchedStep:
+    def launch(self, step: LaunchedStep) -> None:   # step.handle: set once its work started
         step.handle = self.executor.submit(self._forward, step.sched)   # inline: computed now
-        return step
 
     def _forward(self, sched: SchedulerOutput) -> tuple:
         """``execute``, timed once: its span for observers (``"executed"``), its ms for the step."""

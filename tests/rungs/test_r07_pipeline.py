@@ -225,6 +225,33 @@ def test_real_ctrl_c_mid_run_leaves_ranks_in_step(two, tiny, delay_s):
                          **ROOMY)
 
 
+@pytest.mark.parametrize("launch_number", [1, 2, 4])
+def test_ctrl_c_held_during_a_launch_leaves_that_micro_batch_in_flight(two, tiny, monkeypatch,
+                                                                        launch_number):
+    """Deterministically, the window a real Ctrl-C hit one time in two: a SIGINT that arrives
+    while a micro-batch is being sent and computed is held until the sends end, then raised. The
+    micro-batch went out, so it must stay in flight: the reset receives its logits. (Dropped,
+    the next run's first receive got those logits instead and gloo aborted the process.)"""
+    two.num_microbatches = 2
+    compute, calls = two.runner.compute, []
+
+    def compute_then_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == launch_number:
+            os.kill(os.getpid(), signal.SIGINT)          # held by deferred_interrupt
+        return compute(*args)
+    monkeypatch.setattr(two.runner, "compute", compute_then_ctrl_c)
+    reqs = requests(random_prompts(4, seed=80), SamplingParams(max_tokens=30, ignore_eos=True),
+                    f"held{launch_number}")
+    with pytest.raises(KeyboardInterrupt):
+        two.run(reqs)
+    monkeypatch.undo()
+    assert all(r.finished for r in reqs) and not two.in_flight and not two.groups
+    assert two.block_manager.num_free_blocks == two.block_manager.num_blocks
+    assert_same_as_paged(two, tiny, random_prompts(3, seed=81), SamplingParams(max_tokens=5),
+                         **ROOMY)
+
+
 def test_llm_facade_and_bad_options(tiny):
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 2"):
         LLM(tiny, pipeline_parallel_size=1)

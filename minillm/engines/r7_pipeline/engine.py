@@ -159,7 +159,7 @@ class PipelineEngine(PagedEngine):
         with self.comm.timeline.span("schedule", self.num_launched):
             return self.scheduler.schedule(Constraints(busy, max_new=max(0, share - visible)))
 
-    def launch(self, step: LaunchedStep) -> LaunchedStep:
+    def launch(self, step: LaunchedStep) -> None:
         """The first half of rung 3's ``execute``, for the next micro-batch: prepare its inputs,
         commit them as computed (the next micro-batch's schedule must see its tokens so), run the
         first stage and send it on."""
@@ -182,11 +182,11 @@ class PipelineEngine(PagedEngine):
                     out = self.runner.compute(inputs, ids)
                 if not self.runner.computes_logits:
                     self.runner.send_output(self.comm, out)
+                # set while Ctrl-C is held: a micro-batch that went out is waited for by a reset
+                step.handle = (reached, out if self.runner.computes_logits else None, t)
         except WorkerError as e:
             raise self._break(e) from None
-        step.handle = (reached, out if self.runner.computes_logits else None, t)
         self.comm.prune()
-        return step
 
     def wait(self, step: LaunchedStep) -> tuple:
         """The second half of ``execute``: the logits of the micro-batch's rows, back from the
