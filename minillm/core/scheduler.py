@@ -156,7 +156,6 @@ class Scheduler(StepCommit):
                 break
         if not out.preempted:
             budget = self._schedule_waiting(budget, out, constraints)
-        self._trim_lookahead(out)
         return out
 
     def _schedule_running(self, group: SequenceGroup, budget: int, out: SchedulerOutput,
@@ -289,16 +288,6 @@ class Scheduler(StepCommit):
         elif any(not s.block_table for s in group.seqs[1:]):
             return max(0, min(budget, seq.prompt_len - seq.num_computed_tokens))
         return min(seq.num_uncomputed + len(seq.spec_token_ids), budget)
-
-    def _trim_lookahead(self, out: SchedulerOutput) -> None:
-        """A sequence's guesses (rung 6) get the slots it was given beyond its newest token: all of
-        them, fewer when the budget ran short, none if it was not scheduled (waiting, preempted).
-        The guesses were never part of its tokens, so dropping them undoes nothing."""
-        planned = {seq: n for seq, n in out.scheduled}
-        for group in self.running + out.preempted:     # where proposed sequences can be now
-            for seq in group.seqs:
-                if seq.spec_token_ids:
-                    del seq.spec_token_ids[max(0, planned.get(seq, 0) - 1):]
 
     def preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Recompute preemption: drop all of the group's KV (every sequence freed, its tokens

@@ -21,6 +21,7 @@ import time
 import torch
 
 from ...core.engine import PagedEngine
+from ...core.scheduler import SchedulerOutput
 from ...core.sequence import Sequence
 from ...request import Request, SpecStats, stop_reason
 from ...sampling_params import CONTROL_FIELDS, LOGPROB_FIELDS
@@ -68,7 +69,7 @@ class SpeculativeEngine(PagedEngine):
 
     def propose(self) -> None:
         """Guess up to k tokens for each decoding sequence (``Sequence.spec_token_ids``): the
-        scheduler then plans 1 + k tokens for it, and trims the guesses it gave no slots."""
+        scheduler then plans 1 + k tokens for it (``schedule_step`` trims those it gave no slots)."""
         t = time.perf_counter()
         for group in self.scheduler.running:
             for seq in group.seqs:
@@ -82,6 +83,19 @@ class SpeculativeEngine(PagedEngine):
         self._propose_ms = (time.perf_counter() - t) * 1000.0
         self._proposed_at = time.perf_counter()
         self.run_stats.propose_ms += self._propose_ms
+
+    def schedule_step(self) -> SchedulerOutput:
+        """The scheduler's plan; then each sequence keeps the guesses it got slots for beyond its
+        newest token: all, fewer when the budget ran short, none if it was not scheduled (still
+        waiting, or preempted). Guesses were never part of its tokens: dropping them undoes
+        nothing."""
+        sched = super().schedule_step()
+        planned = {seq: n for seq, n in sched.scheduled}
+        for group in self.scheduler.running + sched.preempted:   # where guessers can be now
+            for seq in group.seqs:
+                if seq.spec_token_ids:
+                    del seq.spec_token_ids[max(0, planned.get(seq, 0) - 1):]
+        return sched
 
     # --- verifying --------------------------------------------------------------------------------
     def verify(self, lookahead: dict[Sequence, torch.Tensor]) -> dict[Sequence, list[int]]:
