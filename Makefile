@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-$(shell (cat requirements.txt pyproject.toml; echo '
 MODEL_STAMP := $(VENV)/.model-ready
 
 PHONY_TESTS = $(addprefix test-,runtime layers core rungs serve viz lab bench meta)
-.PHONY: setup browser lab test test-fast $(PHONY_TESTS) bench bench-full bench-vllm bench-policies eval bench-kv bench-disagg profile figures html kernels start check clean
+.PHONY: setup browser lab test test-fast $(PHONY_TESTS) bench bench-full bench-vllm bench-llamacpp bench-policies eval bench-kv bench-disagg profile figures html kernels start check clean
 
 setup: $(STAMP) $(MODEL_STAMP)
 
@@ -86,6 +86,14 @@ bench-vllm: setup
 	  $(BIN)/python -m minillm bench --quick --dtype $$d --engines paged,vllm-cpu --experiments none --max-batch 64 --json figures/bench_vllm64_$$d.json --no-figure && \
 	  $(BIN)/python -m minillm bench --serve minillm,vllm-cpu --dtype $$d --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --json figures/serve_vs_vllm_$$d.json || exit 1; \
 	done
+
+# llama.cpp, the one-stream peer (rung 14), never in .venv: the llama.cpp vendored by the
+# llama-cpp-python sdist, built once with CMake for this CPU (~10-15 min on 2 cores, kept in
+# .llamacpp/), SmolLM2 converted by its convert_hf_to_gguf.py (f32, bf16) and quantized (q8_0);
+# one stream (llama-bench) and batches (llama-batched-bench) alternating with minillm's, the
+# same threads. Writes figures/bench_llamacpp.json.
+bench-llamacpp: setup
+	$(BIN)/python -m minillm.bench.llamacpp_peer --json figures/bench_llamacpp.json
 
 # lm-evaluation-harness (in its own .venv-lmeval with the project's torch, made once; never in
 # .venv) against `minillm serve` on the bundled tasks (minillm/data/lm_eval/), beside lm-eval's
