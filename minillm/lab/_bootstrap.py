@@ -1,14 +1,16 @@
 """Run a grader in the grading process and record each test's outcome for ``grade.check``.
 
-Started as a *script* (``python .../_bootstrap.py RESULTS LIMIT GRADER -- PYTEST ARGS``, the run's
+Started as a *script* (``python .../_bootstrap.py FD LIMIT GRADER -- PYTEST ARGS``, the run's
 secret on stdin). No student code runs here: the grader's tests run the student's functions in
 the student's process (``sandbox.Student``) and judge the returned values in this one, against
 the package's own modules (the reference). The verdict is still not this process's exit code:
-``Recorder`` writes one line per test to ``RESULTS``, signed with the secret (HMAC-SHA256) — every
-test collected (before ``-k`` deselects any), and each test's own outcome as the test function
-raised it — so that a results file written by anyone else is noticed; and it stops a test that
-runs past ``LIMIT`` seconds (``faulthandler`` prints where it was, then the process ends; the
-parent sees a test with no outcome). The parent decides from that file alone.
+``Recorder`` writes one line per test to the pipe ``FD`` (inherited from ``grade.check``, which
+reads the other end: no file anyone could write to), signed with the secret (HMAC-SHA256) —
+every test collected (before ``-k`` deselects any), and each test's own outcome as the test
+function raised it; and it stops a test that runs past ``LIMIT`` seconds (``faulthandler`` prints
+where it was, then the process ends; the parent sees a test with no outcome). The parent decides
+from those lines alone. On Linux this process is not dumpable: a process of the same user cannot
+read its memory (the secret) through ``/proc``.
 """
 import faulthandler
 import hashlib
@@ -24,7 +26,8 @@ class Recorder:
     """The pytest plugin that reports to the parent (see the module docstring)."""
 
     def __init__(self, secret: bytes, results: str, limit_s: float):
-        self._out = open(results, "a", encoding="utf-8")
+        self._out = os.fdopen(int(results), "w", encoding="utf-8") if results.isdigit() else \
+            open(results, "a", encoding="utf-8")        # a file where no pipe is inherited
         self._key, self._limit = secret, limit_s
 
     def _write(self, kind: str, nodeid: str = "", detail: str = "") -> None:
@@ -56,6 +59,9 @@ def main(argv: list[str]) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:
         del sys.path[0]        # this folder is not a place to import from
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE: 0
     secret = sys.stdin.buffer.readline().strip()
     sys.stdin.close()
     results, limit_s, grader = argv[0], float(argv[1]), argv[2]

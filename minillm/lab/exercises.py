@@ -79,6 +79,20 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "that output index (sample_one with draw_uniform(seed, index)). Unseeded: keep guess "
              "d with probability min(1, p(d) / q(d)); on the first rejection draw from "
              "max(0, p - q) renormalized, and stop."),
+    Exercise("07", "Pipeline stages: who holds which layers, and what a stage sends",
+             "minillm.engines.r7_pipeline.stage",
+             ("split_layers", "StageRunner.send_output", "StageRunner.compute"),
+             "07_pipeline_parallel", 35,
+             "split_layers: P contiguous [start, end) slices covering every layer once, sizes "
+             "differing by at most one, the earlier ranks taking the extra ones (divmod). "
+             "send_output: a stage that is not the last sends its hidden states to the next "
+             "rank (comm.isend(out, comm.rank + 1)); the last sends its logits back to rank 0, "
+             "unless it is rank 0 itself or there are no rows to sample (rank 0 receives "
+             "nothing then). compute: do the micro-batch's copy-on-write copies on this stage's "
+             "pool, run its layers (self.forward embeds on the first stage); a stage that does "
+             "not compute the logits returns the hidden states; the one that does returns the "
+             "logits of inputs.logit_rows only (final norm, then the head), a [0, vocab] "
+             "float32 tensor when there are none."),
     Exercise("08", "Scheduling policies: who goes first, and who may evict whom",
              "minillm.engines.r8_policies.policy",
              ("Priority.key", "Priority.preempts", "remaining_tokens", "Score.score",
@@ -144,6 +158,28 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "forward_ms, and the ms this call blocked as waited_ms). call(fn, *args): run fn on "
              "the worker too and return its result (one OpenMP team); on Ctrl-C let it end "
              "first, then re-raise."),
+    Exercise("13", "Multi-LoRA: each row's delta from its own adapter (the gather matmuls)",
+             "minillm.engines.r13_lora.kernels", ("sgmv", "bgmv"), "13_multi_lora", 25,
+             "A and B stack every slot's weights: A [slots, rank, in], B [slots, out, rank] (the "
+             "scale already folded into B); the indices you are given are rows of those stacks. "
+             "Row t's delta is B[s] @ (A[s] @ x[t]): shrink to the rank first, then expand. "
+             "Add it into y in place at row t (y is a view of the layer's output columns: what "
+             "you return is ignored), and touch no row you were not given. sgmv: for each "
+             "(slot, rows), one matmul pair over those rows together; bgmv: every row gathers "
+             "its own slot's A and B (A[idx]) and torch.bmm does them all, BGMV_CHUNK rows at a "
+             "time."),
+    Exercise("13-slots", "Multi-LoRA: adapter slots, swapped in least recently used first",
+             "minillm.engines.r13_lora.slots", ("LoRASlots.acquire", "LoRASlots._write"),
+             "13_multi_lora", 30,
+             "self.lru maps each resident adapter to its slot, least recently used first. "
+             "acquire: a resident adapter keeps its slot; else take the lowest free slot (names "
+             "[s] is None), else the least recently used adapter not in busy is evicted (count "
+             "it in self.evictions), else None (the request waits). The adapter acquired "
+             "becomes the most recently used. _write: slot s is row s - 1 of every stacked A "
+             "and B; clear the whole row first (a smaller rank, or fewer modules, than the "
+             "adapter before must leave zeros), then A[:r] = a and B[:, :r] = adapter.scale * b "
+             "for each (layer, module) it adapts; live[m] holds exactly the slots adapting m; "
+             "names[s] and self.loads follow."),
 ]}
 
 

@@ -2,24 +2,33 @@
 reach into the machinery instead of computing (``lab check`` prints them; ``grade --class`` has a
 column for them).
 
-A copy is found on the syntax tree, not the text: each exercised function's statements (docstring
-left out) become a sequence of node kinds with identifiers and constants normalized away, so
-renaming variables, re-wrapping lines, editing comments or adding a no-op statement per function
-leave it nearly unchanged. The student's sequence is compared with the reference's
-(``difflib``'s ratio); at ``COPY_AT`` or more, over enough code that an honest solution cannot be
-that close by chance (``MIN_NODES``), the file is a copy and scores 0.
+A copy is found on the whole file's syntax tree, the way MOSS finds one: the file is normalized
+(every name of a variable, argument, function or class becomes ``_``; strings and numbers become
+one placeholder each; docstrings, comments, layout, ``pass`` and no-op statements go), unparsed
+and cut into tokens, and each run of ``K`` consecutive tokens is a fingerprint. The reference's
+*answer* is the set of fingerprints of the reference that its skeleton (what every student is
+given) does not have; the student's code is likewise the file's fingerprints the skeleton does
+not have, wherever they are. The score is the share of the answer found in the student's code: a
+body moved into a helper, renamed identifiers, reordered functions or added no-ops keep it near
+1, since every run of ``K`` tokens inside a moved body survives. At ``COPY_AT`` or more, over an
+answer long enough that an honest solution cannot be that close by chance (``MIN_GRAMS``), the
+file is a copy and scores 0; ``why`` says how much of each function was found. The threshold was
+set on honest solutions written from the hints and on disguised copies (docs/TEACHING.md has the
+table; tests/lab/test_lab_isolation_copies.py keeps it true).
 """
 from __future__ import annotations
 
 import ast
-import difflib
+import io
 import re
+import tokenize
 from pathlib import Path
 
-from .skeleton import _functions
+from .skeleton import _functions, make_skeleton
 
-COPY_AT = 0.9
-MIN_NODES = 60           # below this, every correct solution looks alike: no verdict
+K = 10                   # tokens per fingerprint
+COPY_AT = 0.7
+MIN_GRAMS = 80           # below this, every correct solution looks alike: no verdict
 # Names whose use in a solution means it reaches for the machinery (the grader, the import
 # system, the caller's frames) rather than computing: listed for the teacher, with the line.
 SUSPICIOUS = {
@@ -28,57 +37,90 @@ SUSPICIOUS = {
     "exec/eval": r"\b(exec|eval|compile)\s*\(", "meta_path": r"\bmeta_path\b|\bpath_hooks\b",
     "sys.modules": r"\bsys\.modules\b", "os._exit": r"\bos\._exit\b|\batexit\b",
     "faulthandler/signal": r"\bfaulthandler\b|\bsignal\b",
+    "subprocess": r"\bsubprocess\b|\bos\.(system|popen|exec|spawn|fork)", "ctypes": r"\bctypes\b",
+    "/proc": r"/proc\b|\bproc/", "git": r"\bgit\b|\.git\b",
+    "os.link/dir_fd": r"\bos\.(link|symlink|open|rename|replace)\b|\bdir_fd\b",
 }
 
 
-def _normalized(node: ast.AST) -> list[str]:
-    """Node kinds in walk order; names, attributes and constants reduced to their kind, so that
-    only the shape of the code is compared."""
-    out = []
-    for n in ast.walk(node):
-        kind = type(n).__name__
-        if isinstance(n, ast.BinOp | ast.UnaryOp | ast.BoolOp | ast.AugAssign):
-            kind += ":" + type(n.op).__name__
-        elif isinstance(n, ast.Compare):
-            kind += ":" + ",".join(type(o).__name__ for o in n.ops)
-        elif isinstance(n, ast.Attribute):
-            kind += ":" + n.attr        # the API called is part of the shape, the names are not
-        out.append(kind)
-    return out
+class _Normalize(ast.NodeTransformer):
+    """Names to ``_``, constants to placeholders, docstrings and no-ops out (module docstring)."""
 
+    def visit_Name(self, node):
+        return ast.copy_location(ast.Name(id="_", ctx=node.ctx), node)
 
-def _shape(source: str, functions: tuple[str, ...]) -> list[str]:
-    defs = _functions(ast.parse(source))
-    seq: list[str] = []
-    for name in functions:
-        body = list(defs[name].body) if name in defs else []
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]                                  # the docstring is given
-        body = [s for s in body if not isinstance(s, ast.Pass)
-                and not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        seq.append(f"def {name}")
-        for stmt in body:
-            if not _no_op(stmt):
-                seq += _normalized(stmt)
-    return seq
+    def visit_arg(self, node):
+        node.arg, node.annotation = "_", None
+        return node
+
+    def visit_Constant(self, node):
+        v = node.value
+        keep = v is None or isinstance(v, bool) or v is Ellipsis
+        return ast.copy_location(ast.Constant(v if keep else "" if isinstance(v, (str, bytes))
+                                              else 0), node)
+
+    def _named(self, node):
+        node.name = "_"
+        if hasattr(node, "returns"):
+            node.returns = None
+        self.generic_visit(node)
+        return node
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _named
+
+    def generic_visit(self, node):
+        super().generic_visit(node)
+        for field in ("body", "orelse", "finalbody"):
+            stmts = getattr(node, field, None)
+            if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+                kept = [s for s in stmts if not _no_op(s)]
+                setattr(node, field, kept or [ast.Pass()])
+        return node
 
 
 def _no_op(stmt: ast.stmt) -> bool:
-    """``_ = 0``, ``x = x``: statements that change nothing, added to dodge a copy check."""
-    if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant):
-        return all(isinstance(t, ast.Name) and t.id.startswith("_") for t in stmt.targets)
+    """``pass``, a lone constant (a docstring), ``_ = 0``, ``x = x``: statements that change
+    nothing, added to dodge a copy check (seen after names became ``_``)."""
+    if isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr)
+                                      and isinstance(stmt.value, ast.Constant)):
+        return True
     return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-            and ast.dump(stmt.targets[0]) == ast.dump(stmt.value).replace("Load", "Store"))
+            and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, (ast.Constant, ast.Name)))
+
+
+def tokens(node: ast.AST) -> list[str]:
+    """``node`` normalized, unparsed and tokenized (newlines kept as ``;``, indentation not)."""
+    text = ast.unparse(_Normalize().visit(ast.parse(ast.unparse(node))))
+    skip = (tokenize.INDENT, tokenize.DEDENT, tokenize.NL, tokenize.COMMENT, tokenize.ENDMARKER)
+    return [";" if t.type == tokenize.NEWLINE else t.string
+            for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type not in skip]
+
+
+def grams(toks: list[str]) -> set[tuple[str, ...]]:
+    return {tuple(toks[i:i + K]) for i in range(max(0, len(toks) - K + 1))}
+
+
+def copy_score(reference: str, student: str, functions: tuple[str, ...]) -> tuple[float, str]:
+    """(the share of the reference's answer found in the student's file, 0..1, and the
+    per-function detail); (0, "") where the answer is too short to tell (``MIN_GRAMS``)."""
+    given = grams(tokens(ast.parse(make_skeleton(reference, functions, "x"))))
+    answer = grams(tokens(ast.parse(reference))) - given
+    if len(answer) < MIN_GRAMS:
+        return 0.0, ""
+    mine = grams(tokens(ast.parse(student))) - given
+    defs = _functions(ast.parse(reference))
+    parts = []
+    for name in functions:
+        own = grams(tokens(ast.Module(body=defs[name].body, type_ignores=[]))) & answer
+        if own:
+            parts.append(f"{name.rpartition('.')[2]} {len(own & mine) / len(own):.0%}")
+    return len(answer & mine) / len(answer), ", ".join(parts)
 
 
 def similarity(reference: str, student: str, functions: tuple[str, ...]) -> float:
-    """How alike the exercised functions are, 0..1, by shape (see the module docstring); 0 where
-    the reference's functions are too short to tell a copy from a solution."""
-    ref = _shape(reference, functions)
-    if len(ref) - len(functions) < MIN_NODES:
-        return 0.0
-    mine = _shape(student, functions)
-    return difflib.SequenceMatcher(None, ref, mine, autojunk=False).ratio()
+    """``copy_score``'s share alone."""
+    return copy_score(reference, student, functions)[0]
 
 
 def suspicious_lines(source: str) -> list[tuple[int, str, str]]:
@@ -105,14 +147,18 @@ def syntax_error(path: Path) -> str | None:
 
 
 def review(reference: Path | None, path: Path, functions: tuple[str, ...]) -> dict:
-    """Everything ``lab check`` and the class table show about one file: ``copy`` (similarity, or
-    None), ``lines`` (suspicious lines)."""
+    """Everything ``lab check`` and the class table show about one file: ``copy`` (the share of
+    the reference found, or None), ``why`` (how much of each function), ``lines`` (suspicious
+    lines)."""
     text = path.read_text(encoding="utf-8")
-    copy = None
+    copy, why = None, ""
     if reference is not None and reference.exists():
         try:
-            s = similarity(reference.read_text(encoding="utf-8"), text, functions)
-        except (SyntaxError, KeyError):
-            s = 0.0
-        copy = s if s >= COPY_AT else None
-    return {"copy": copy, "lines": suspicious_lines(text)}
+            s, detail = copy_score(reference.read_text(encoding="utf-8"), text, functions)
+        except (SyntaxError, KeyError, ValueError):
+            s, detail = 0.0, ""
+        if s >= COPY_AT:
+            copy = s
+            why = (f"{s:.0%} of the reference's answer is in the file (names, layout, helpers "
+                   f"and order aside): {detail}")
+    return {"copy": copy, "why": why, "lines": suspicious_lines(text)}

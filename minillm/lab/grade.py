@@ -23,9 +23,10 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
-from . import flags
+from . import flags, jail
 from .exercises import Exercise
 from .skeleton import make_skeleton
 
@@ -69,7 +70,8 @@ def _stand_ins(ex: Exercise, path: Path | None, also: dict[str, Path] | None) ->
 def _refused(cmd: list, why: str, capture: bool) -> subprocess.CompletedProcess:
     """A grading that ends before any test runs (a file that does not parse)."""
     done = subprocess.CompletedProcess(cmd, 1, f"\nverdict: not passed: {why}\n", "")
-    done.results, done.review = ([], {}), {"copy": None, "lines": []}
+    done.results, done.review = ([], {}), {"copy": None, "lines": [], "why": ""}
+    done.isolated, done.tampered = jail.isolation(), []
     if not capture:
         print(done.stdout, end="")
     return done
@@ -112,30 +114,33 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")     # no stale .pyc of a student's file
     env["MINILLM_LAB_STUDENT"] = os.pathsep.join(f"{m}={f}" for m, f in files.items())
     env["MINILLM_LAB_CALL_LIMIT_S"] = str(test_limit_s)
+    isolated = jail.isolation()
+    env[jail.ENV] = "required" if isolated[0] else "off"     # the grader's student: the same
     secret = secrets.token_hex(32)
+    before = teacher_files(grader, ex.source_path)
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
         env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(Path(tmp) / ".hypothesis")   # no litter
-        results = Path(tmp) / "results"
-        cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), str(results),
-               str(test_limit_s), str(grader.resolve()), "--", "-q", "--tb=short",
-               "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", "--rootdir",
-               str(grader.resolve().parent), "-W", "ignore::DeprecationWarning", *pytest_args]
-        try:
-            done = subprocess.run(cmd, env=env, timeout=timeout, text=True, input=secret + "\n",
-                                  capture_output=capture, cwd=tmp)
-            late = None
-        except subprocess.TimeoutExpired as e:
-            done = subprocess.CompletedProcess(cmd, 1, _text(e.stdout), _text(e.stderr))
-            late = f"the grading ran past its time limit ({timeout} s)"
-        text = results.read_text(encoding="utf-8") if results.exists() else ""
+        env["TMPDIR"] = tmp                  # the student's folders too: removed with this one
+        env["MINILLM_LAB_RUN"] = run = secrets.token_hex(8)
+        done, late, text = _run_grader(grader, env, tmp, secret, timeout, test_limit_s,
+                                       pytest_args, capture)
+        jail.kill_marked(f"MINILLM_LAB_RUN={run}:", exact=False)   # whatever was left behind
         done.results = read_results(text, secret.encode())
         why = late or verdict(done.results, ex, path)
-    done.review = flags.review(ex.source_path if path is not None else None, Path(path),
-                               ex.functions) if path is not None else {"copy": None, "lines": []}
+    after = teacher_files(grader, ex.source_path)
+    changed = [f for f in set(before) | set(after) if before.get(f) != after.get(f)]
+    done.tampered = sorted(changed)
+    if changed:
+        why = (f"the teacher's files changed during this grading ({', '.join(sorted(changed)[:3])}"
+               "): the grading cannot be trusted, nor the next ones until they are restored")
+    done.isolated = isolated
+    done.review = flags.review(ex.source_path, Path(path), ex.functions) if path is not None \
+        else {"copy": None, "why": "", "lines": []}
     if why is None and done.review["copy"] is not None:
-        why = (f"a near-copy of the package's own {ex.file_name} (similarity "
-               f"{done.review['copy']:.2f} by syntax tree): not a solution")
+        why = (f"a near-copy of the package's own {ex.file_name}, not a solution: "
+               f"{done.review['why']}")
     note = format_review(done.review)
+    note += f"\nisolated: {'yes' if isolated[0] else 'no'} ({isolated[1]})"
     note += f"\nverdict: {'passed' if why is None else 'not passed: ' + why}\n"
     if capture:
         done.stdout = (done.stdout or "") + note
@@ -145,16 +150,71 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     return done
 
 
+def _run_grader(grader: Path, env: dict, tmp: str, secret: str, timeout: float,
+                test_limit_s: float, pytest_args: tuple, capture: bool):
+    """The grading process, its results read from a pipe only it holds (a file on Windows); its
+    process group killed when it ends, in time or not. (done, why late or None, results text)."""
+    via_pipe = os.name == "posix"
+    r, w = os.pipe() if via_pipe else (None, None)
+    results = str(w) if via_pipe else str(Path(tmp) / "results")
+    cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), results,
+           str(test_limit_s), str(grader.resolve()), "--", "-q", "--tb=short",
+           "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", "--rootdir",
+           str(grader.resolve().parent), "-W", "ignore::DeprecationWarning", *pytest_args]
+    out = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp, text=True, stdin=subprocess.PIPE, stdout=out,
+                            stderr=out, **({"pass_fds": (w,), "start_new_session": True}
+                                           if via_pipe else {}))
+    lines: list[bytes] = []
+    if via_pipe:
+        os.close(w)
+        reader = threading.Thread(target=_read_bounded, args=(r, lines), daemon=True)
+        reader.start()
+    late = None
+    try:
+        stdout, stderr = proc.communicate(secret + "\n", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        late = f"the grading ran past its time limit ({timeout} s)"
+        jail.kill_tree(proc, not via_pipe)
+        stdout, stderr = proc.communicate()
+    finally:
+        if via_pipe:
+            jail.kill_tree(proc, False)          # its group: nothing of it outlives it
+    if via_pipe:
+        reader.join(timeout=30)
+        text = b"".join(lines).decode(errors="replace")
+    else:
+        text = Path(results).read_text(encoding="utf-8") if Path(results).exists() else ""
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout or "", stderr or ""), late, text
+
+
+def _read_bounded(fd: int, into: list, most: int = 32 << 20) -> None:
+    """The results pipe, read to its end; past ``most`` bytes the rest is dropped (and the
+    lines then cannot be believed: the last one is cut)."""
+    size = 0
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if size < most:
+                into.append(chunk[:most - size])
+            size += len(chunk)
+
+
+def teacher_files(grader: Path, *also: Path) -> dict[str, str]:
+    """A digest of the files a grading relies on most: the grader's folder, the lab's modules and
+    ``also`` (the exercise's reference module). A student's process that wrote any of them is
+    caught by comparing (isolated, it cannot; this is for the fallback)."""
+    files = [*Path(grader).resolve().parent.rglob("*.py"), *Path(__file__).parent.glob("*.py"),
+             *map(Path, also)]
+    return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(set(files))
+            if "__pycache__" not in f.parts and f.is_file()}
+
+
 def format_review(review: dict) -> str:
     """The lines a teacher should read (``flags.suspicious_lines``), one per line."""
     if not review["lines"]:
         return ""
     rows = "".join(f"\n  line {n}: [{what}] {line}" for n, what, line in review["lines"][:20])
     return f"\nfor the teacher's review ({len(review['lines'])} line(s) reach into the machinery):{rows}"
-
-
-def _text(out) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def read_results(text: str, key: bytes) -> tuple[list[str], dict] | str:
@@ -169,8 +229,10 @@ def read_results(text: str, key: bytes) -> tuple[list[str], dict] | str:
         kind, nodeid, detail = json.loads(msg)
         if kind == "collected":
             collected = json.loads(detail)
+        elif nodeid in outcomes:                # a test has one outcome: a second is forged
+            return f"the grader's results were written over (a second outcome for {nodeid})"
         else:
-            outcomes.setdefault(nodeid, (kind, detail))
+            outcomes[nodeid] = (kind, detail)
     return collected, outcomes
 
 

@@ -163,6 +163,27 @@ def score_overtake_horizon(max_tokens: int = 128, priority: int = 1) -> int:
     return Score().overtake_horizon(group, min_priority=0)
 
 
+def stage_layers_by_definition(num_layers: int = 30, world_size: int = 4) -> tuple[int, int]:
+    """(layers on rank 0, layers on the last rank) when ``num_layers`` are cut into
+    ``world_size`` stages: ``split_layers``' definition (as even as possible, the earlier ranks
+    taking the extra ones), not a run of it (exercise 07 has students write it)."""
+    base, extra = divmod(num_layers, world_size)
+    return base + (extra > 0), base + (extra >= world_size)
+
+
+def stage_layers(num_layers: int = 30, world_size: int = 4) -> tuple[int, int]:
+    """The same from the package's ``split_layers`` (the tests compare the two)."""
+    from ..engines.r7_pipeline.stage import split_layers
+    bounds = split_layers(num_layers, world_size)
+    return bounds[0][1] - bounds[0][0], bounds[-1][1] - bounds[-1][0]
+
+
+def rslora_scale(lora_alpha: float = 32, r: int = 16) -> float:
+    """The factor rung 13 folds into B for an rsLoRA adapter (``adapter.lora_scale``)."""
+    from ..engines.r13_lora.adapter import lora_scale
+    return lora_scale(lora_alpha, r, True)
+
+
 def in_handout() -> bool:
     """A students' copy (``lab handout``): it has no graders, and the key stays with the teacher."""
     from pathlib import Path
@@ -208,6 +229,10 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "the verification held slots for 30 + 1 + 8 tokens; afterwards the sequence keeps "
              "K/V for 30 + 1 + 1 positions (the target's own next token has none yet); count "
              "whole blocks of 4 before and after", rel_tol=0.0),
+    Question("07.q1", "(layers on rank 0, layers on rank 3) when SmolLM2's 30 layers are cut "
+             "into pipeline_parallel_size=4 stages", stage_layers_by_definition,
+             "a tuple of two integers; as even as possible, the earlier ranks taking the extra "
+             "layers", rel_tol=0.0),
     Question("08.q1", "under policy score with its default weights, for how many steps after a "
              "batch request (priority 1, max_tokens 128) arrives can a later interactive request "
              "(priority 0) still be served before it? (D of the starvation bound)",
@@ -230,6 +255,10 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "the prefill worker computes every prompt token but the last; the blocks holding "
              "them move whole (the last one partly filled); one token is 30 layers × (K and V) × "
              "3 KV heads × 64 × 4 bytes", rel_tol=0.0),
+    Question("13.q1", "the scale an rsLoRA adapter with r = 16 and lora_alpha = 32 multiplies "
+             "its delta B A x by", rslora_scale,
+             "plain LoRA divides lora_alpha by r; rsLoRA (use_rslora) by the square root of r",
+             rel_tol=1e-9),
 ]}
 
 

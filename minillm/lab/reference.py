@@ -151,3 +151,78 @@ def mixed_requests(seed: int = 0) -> list:
         prompt = shared + [(7 * i + k) % 200 + 3 for k in range(2 + 3 * i)]
         reqs.append(Request(prompt, params, request_id=f"r{i}"))
     return reqs
+
+
+# Rung 13's exercises (graders/test_13.py, test_13_slots.py): adapters made in memory, never
+# read from disk (the student's process may see no folder of the teacher's). name -> (rank,
+# projections, rsLoRA): different ranks, modules and scalings (lora_alpha = 2 r).
+LORAS = {"qv": (2, ("q_proj", "v_proj"), False),
+         "mlp": (8, ("gate_proj", "up_proj", "down_proj"), False),
+         "all": (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                 True)}
+
+
+def lora_adapters(hf_model, std: float = 0.5) -> dict:
+    """name -> ``LoRAAdapter`` for each of ``LORAS``, seeded (the same in every process), sized
+    as ``peft_files.save_random_adapter`` sizes them (enough to change the tokens)."""
+    import math
+
+    from ..engines.r13_lora.adapter import LoRAAdapter, lora_scale
+    from ..engines.r13_lora.peft_files import hf_shapes, module_key
+
+    shapes, dtype = hf_shapes(hf_model), next(hf_model.parameters()).dtype
+    out = {}
+    for seed, (name, (r, targets, rslora)) in enumerate(LORAS.items()):
+        g = torch.Generator().manual_seed(100 + seed)
+        scale = lora_scale(2 * r, r, rslora)
+        weights = {}
+        for layer in range(hf_model.config.num_hidden_layers):
+            for m in targets:
+                n_out, n_in = shapes[m]
+                w = hf_model.get_submodule(module_key(layer, m)).weight.detach().float()
+                a = torch.randn(r, n_in, generator=g) / math.sqrt(n_in)
+                b = torch.randn(n_out, r, generator=g) * (std * w.std().item()
+                                                          * math.sqrt(n_in / r) / scale)
+                weights[layer, m] = (a.to(dtype), b.to(dtype))
+        out[name] = LoRAAdapter(name, r, scale, weights)
+    return out
+
+
+def serve_loras(model, names: list, prompts: list[list[int]], max_tokens: int,
+                **options) -> dict:
+    """Greedy ``prompts`` through the multi-LoRA engine, prompt i under adapter ``names[i]``
+    (None: the base model), the adapters of ``lora_adapters`` handed to the engine as if read
+    (``engine.adapters``). Plain data: each request's tokens and error, the slots' loads and
+    evictions, and whether the pool ended full."""
+    from .. import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(model, engine="paged", enable_lora=True, max_lora_rank=8, **options)
+    engine = llm.engine
+    loras = {}
+    for name, adapter in lora_adapters(model.hf_model).items():
+        loras[name] = LoRARequest(name, f"in-memory/{name}")
+        engine.adapters[name] = (loras[name], adapter)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                        lora_request=[None if n is None else loras[n] for n in names])
+    bm, slots = engine.block_manager, engine.runner.slots
+    return {"tokens": [[int(t) for t in o.token_ids] for o in outs],
+            "errors": [None if o.error is None else str(o.error) for o in outs],
+            "loads": int(slots.loads), "evictions": int(slots.evictions),
+            "full": bm.num_free_blocks == bm.num_blocks}
+
+
+def merged_references(model, names: list, prompts: list[list[int]], max_tokens: int) -> list:
+    """Hugging Face ``generate`` on each prompt alone, with its adapter merged into a copy of
+    the model's weights (``W + scale B A``): what ``serve_loras`` must give."""
+    import dataclasses
+
+    from ..engines.r13_lora.peft_files import merged_model
+
+    adapters, merged = lora_adapters(model.hf_model), {}
+    refs = []
+    for name, prompt in zip(names, prompts):
+        if name is not None and name not in merged:
+            merged[name] = dataclasses.replace(
+                model, hf_model=merged_model(model.hf_model, adapters[name]))
+        refs.append(hf_greedy(model if name is None else merged[name], prompt, max_tokens))
+    return refs

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .exercises import EXERCISES, Exercise
+from . import jail
 from .grade import PACKAGE_ROOT, check
 from .skeleton import make_skeleton
 
@@ -39,6 +40,8 @@ class Grade:
     tests_run: int = 0
     copy: bool = False          # a near-copy of the reference (flags.py): 0 points
     review: tuple = ()          # (line, what, text) a teacher should read (flags.py)
+    isolated: bool = False      # whether the student's process ran isolated (jail.py)
+    copy_why: str = ""          # why it is a copy (flags.review)
 
     @property
     def points(self) -> float:
@@ -54,20 +57,33 @@ class Grade:
 def grade_one(student: str, ex: Exercise, folder: Path, limit_s: int) -> Grade:
     path = folder / ex.id / ex.file_name
     if not path.exists():
-        return Grade(student, ex.id, False, 0, 0, f"no {ex.id}/{ex.file_name}")
+        return Grade(student, ex.id, False, 0, 0, f"no {ex.id}/{ex.file_name}",
+                     isolated=jail.isolation()[0])
     done = check(ex, path, capture=True, timeout=limit_s)
+    if done.tampered:
+        raise SystemExit(f"grading stopped at {student}, exercise {ex.id}: the teacher's files "
+                         f"changed during it ({', '.join(done.tampered[:3])}); restore them (git "
+                         "status) before grading again, and read that student's file")
     reason = done.stdout.rsplit("verdict:", 1)[-1].strip()
     collected, outcomes = done.results if isinstance(done.results, tuple) else ([], {})
     ok = sum(1 for n in collected if outcomes.get(n, ("",))[0] == "passed")
     ran = sum(1 for n in collected if n in outcomes)
     return Grade(student, ex.id, done.returncode == 0, ok, len(collected), reason, ran,
-                 done.review["copy"] is not None, tuple(done.review["lines"]))
+                 done.review["copy"] is not None, tuple(done.review["lines"]), done.isolated[0],
+                 done.review.get("why", ""))
 
 
 def grade_class(class_dir: Path, exercises: list[str], out: Path, limit_s: int = 1200,
-                progress=print) -> list[Grade]:
+                progress=print, allow_unisolated: bool = False) -> list[Grade]:
     """Grade every student folder of ``class_dir`` on ``exercises``; write ``out``.csv and
-    ``out``.xml (JUnit) and return the grades."""
+    ``out``.xml (JUnit) and return the grades. Refused where the students' code cannot run
+    isolated (``jail.isolation``) unless ``allow_unisolated``: every row then says so."""
+    isolated, why = jail.isolation()
+    if not isolated and not allow_unisolated:
+        raise SystemExit(f"this machine cannot isolate the students' code ({why}): a student's "
+                         "process could read the reference and the grader, or write them. Grade "
+                         "on Linux with user namespaces, or pass --allow-unisolated to grade "
+                         "anyway (every row then says isolated: no)")
     students = sorted(p for p in Path(class_dir).iterdir() if p.is_dir())
     if not students:
         raise SystemExit(f"{class_dir} has no student folders (one folder per student, laid "
@@ -86,15 +102,18 @@ def write_csv(grades: list[Grade], path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["student", "exercise", "passed", "tests_passed", "tests_run", "tests_total",
-                    "points", "copy", "review", "reason"])
+                    "points", "copy", "isolated", "review", "reason"])
         for g in grades:
             w.writerow([g.student, g.exercise, int(g.passed), g.tests_passed, g.tests_run,
-                        g.tests_total, f"{g.points:.2f}", int(g.copy), review_text(g), g.reason])
+                        g.tests_total, f"{g.points:.2f}", int(g.copy),
+                        "yes" if g.isolated else "no", review_text(g), g.reason])
 
 
 def review_text(g: Grade) -> str:
-    """The lines to read, ``line N [what]`` joined (empty when there is nothing to read)."""
-    return "; ".join(f"line {n} [{what}]" for n, what, _ in g.review)
+    """Why it is a copy, then the lines to read, ``line N [what]``, joined (empty when there is
+    nothing to read)."""
+    return "; ".join(([f"copy: {g.copy_why}"] if g.copy else [])
+                     + [f"line {n} [{what}]" for n, what, _ in g.review])
 
 
 def write_junit(grades: list[Grade], path: Path) -> None:
@@ -123,12 +142,15 @@ def table(grades: list[Grade]) -> str:
     """One row per student, a column per exercise (points, tests run / the grader's tests), the
     total, a review column (lines a teacher should read), and the summary; the reasons below."""
     exercises = list(dict.fromkeys(g.exercise for g in grades))
-    rows = [f"{'student':16s}" + "".join(f"{e:>18s}" for e in exercises) + f"{'total':>8s}  review"]
+    rows = [f"{'student':16s}" + "".join(f"{e:>18s}" for e in exercises)
+            + f"{'total':>8s}  isolated  review"]
     for student in dict.fromkeys(g.student for g in grades):
         mine = {g.exercise: g for g in grades if g.student == student}
-        flagged = [f"{e}: {review_text(mine[e])}" for e in exercises if mine[e].review]
+        flagged = [f"{e}: {review_text(mine[e])}" for e in exercises if review_text(mine[e])]
+        isolated = "yes" if all(g.isolated for g in mine.values()) else "no"
         rows.append(f"{student:16s}" + "".join(f"{cell(mine[e]):>18s}" for e in exercises)
-                    + f"{sum(g.points for g in mine.values()):>8.2f}  " + " | ".join(flagged))
+                    + f"{sum(g.points for g in mine.values()):>8.2f}  {isolated:8s}  "
+                    + " | ".join(flagged))
     passed = {e: sum(g.passed for g in grades if g.exercise == e) for e in exercises}
     n = len(rows) - 1
     rows.append("passed: " + ", ".join(f"{e} {k}/{n}" for e, k in passed.items()))

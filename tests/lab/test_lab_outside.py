@@ -65,21 +65,6 @@ def bind_reference(ex_id: str) -> str:
     return "".join(f"\n{f} = _ref.{f}\n" for f in EXERCISES[ex_id].functions)
 
 
-def with_no_ops(ex_id: str) -> str:
-    """The reference with one no-op statement (``_ = 0``) at the top of each exercised function:
-    a near-copy, which scores 0."""
-    import ast
-
-    from minillm.lab.skeleton import _functions
-    source = reference(ex_id)
-    lines = source.splitlines(keepends=True)
-    defs = _functions(ast.parse(source))
-    for name in sorted(EXERCISES[ex_id].functions, key=lambda f: -defs[f].body[0].lineno):
-        first = defs[name].body[0]
-        lines.insert(first.lineno - 1, " " * first.col_offset + "_ = 0\n")
-    return "".join(lines)
-
-
 CHEATS = {   # kind -> (exercise, source builder, what the reason must say)
     "importlib on the package's file": (
         "06", lambda t: after_future(skeleton("06", t), load_teacher("06")) + bind_reference("06"),
@@ -238,8 +223,10 @@ def honest(ex_id: str, bodies: dict, tmp_path) -> str:
 
 def test_a_class_in_one_command(tmp_path, capsys):
     """Six students, one command: a solution written differently from the reference (it passes,
-    nothing to review), a cheat, a hole, a copy (the reference plus one no-op per function), a
-    file that does not parse and nobody's file; the CSV and JUnit reports."""
+    nothing to review), a cheat, a hole, a copy disguised (each body moved into a helper, names
+    changed, functions reordered: flagged, with why), a file that does not parse and nobody's
+    file; the CSV (with its isolation column) and JUnit reports."""
+    from test_lab_isolation_copies import DISGUISES
     import csv
     import time
     import xml.etree.ElementTree as ET
@@ -252,7 +239,7 @@ def test_a_class_in_one_command(tmp_path, capsys):
         "bob": after_future(cheats, "import os\nos._exit(0)\n"),                # cheats
         "cat": honest("08", HONEST_08 | {"remaining_tokens": "return group.request.params."
                       "max_tokens - len(group.seqs[0].output_token_ids)"}, tmp_path),  # a hole
-        "eve": with_no_ops("08"),                                               # a copy
+        "eve": DISGUISES["all at once"](reference("08"), ex.functions),        # a copy
         # os._exit before the __future__ import: refused before any process starts
         "fay": "import os\nos._exit(0)\n" + skeleton("08", tmp_path),
     }
@@ -262,12 +249,16 @@ def test_a_class_in_one_command(tmp_path, capsys):
         (cls / name / "08" / ex.file_name).write_text(text)
     (cls / "gus").mkdir()                                       # handed in nothing
     t = time.perf_counter()
-    grades = grade_class(cls, ["08"], tmp_path / "grades", progress=lambda *_: None)
+    from minillm.lab.jail import isolation
+    isolated = isolation()[0]
+    grades = grade_class(cls, ["08"], tmp_path / "grades", progress=lambda *_: None,
+                         allow_unisolated=not isolated)
     per_student = (time.perf_counter() - t) / (len(sources) - 1)   # fay's never ran
     by = {g.student: g for g in grades}
     assert not by["fay"].passed and by["fay"].points == 0 and "syntax error, line" in by["fay"].reason
     assert not by["gus"].passed and by["gus"].reason == f"no 08/{ex.file_name}"
     rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
+    assert {r["isolated"] for r in rows} == {"yes" if isolated else "no"}
     assert [(r["student"], r["passed"], r["copy"]) for r in rows] == [
         ("ann", "1", "0"), ("bob", "0", "0"), ("cat", "0", "0"), ("eve", "0", "1"),
         ("fay", "0", "0"), ("gus", "0", "0")]
@@ -282,9 +273,10 @@ def test_a_class_in_one_command(tmp_path, capsys):
     assert not g.passed and g.tests_run == g.tests_total and 0 < g.points < 1, g
     assert "strict_preemption" in g.reason
     assert by["eve"].points == 0 and by["eve"].copy and "near-copy" in by["eve"].reason
+    assert "of the reference's answer is in the file" in by["eve"].copy_why
     assert by["eve"].tests_run == by["eve"].tests_total, "a copy is still graded in full"
     text = table(grades)
-    assert "✓ 1.00 14/14" in text and "copy" in text and "[os._exit]" in text
+    assert "✓ 1.00 14/14" in text and "copy: " in text and "[os._exit]" in text
     with capsys.disabled():
         print(f"\n{text}\n(grading took {per_student:.0f} s per student on this machine)")
 
@@ -344,16 +336,16 @@ def test_a_process_that_ends_at_import_is_started_once_and_one_that_ends_in_a_ca
     probes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probes)
     ex = EXERCISES["03"]
-    starts = tmp_path / "starts"
     ends = tmp_path / "ends.py"
-    ends.write_text(f"import os\nwith open({str(starts)!r}, 'a') as f:\n    f.write('x')\n"
-                    "os._exit(3)\n")
+    ends.write_text("import os\nos._exit(3)\n")
     student = Student({ex.module: ends}, limit_s=120)
+    starts, start = [], student._start         # (an isolated process cannot write out: counted here)
+    student._start = lambda: (starts.append(1), start())
     try:
         for _ in range(3):
             with pytest.raises(StudentError, match=r"ended \(exit code 3\) while importing"):
                 student.run(probes.ok)
-        assert starts.read_text() == "x", "started again after it ended at import"
+        assert len(starts) == 1, "started again after it ended at import"
     finally:
         student.close()
     student = Student({ex.module: ex.source_path}, limit_s=120)

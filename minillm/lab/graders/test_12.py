@@ -6,7 +6,8 @@ step of ``min(cap, demand)`` tokens billed ``a + b * tokens`` ms (sometimes with
 measurement noise of 1%), then inside the real engine with steps billed by a cost model
 (``step_cost``). It must: fall back to ``b = t / n`` when the steps have never had a spread (one
 step, or a steady batch from the start) and keep the fit's fixed part when a steady batch loses
-its spread later (forgotten, the arrival rate's "widen" swings); never leave [1, ceiling]; settle
+its spread later (forgotten, the arrival rate's "widen" swings); ignore a step of no tokens or
+whose time is negative or not finite; never leave [1, ceiling]; settle
 on the widest batch within the target and stay there (an AIMD halve/+1 rule never settles); not
 move the batch back and forth on noise (no hysteresis does); follow the cost when it moves, both
 ways (a fit that never forgets lags); return a ``BatchDecision`` exactly when the cap moved; and
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import math
 import random
+
+import pytest
 
 from minillm.engines.r12_realtime.batch_controller import TPOTController
 
@@ -182,6 +185,65 @@ def test_a_decision_is_returned_exactly_when_the_cap_moves(student):
             f"{t:.3f}), got {d[:3]}")
         assert d[3] >= 0 and d[4] > 0, f"step {i}: the fit's (a, b) in the decision: {d[3:]}"
     assert got["described"] == got["caps"][-1], "describe()['batch_cap'] is the cap"
+
+
+JUNK = [(0, 50.0, "a step of no tokens"), (0, 0.0, "a step of no tokens"),
+        (-4, 30.0, "a negative number of tokens"), (12, -5.0, "a negative time"),
+        (12, float("nan"), "a time that is NaN"), (12, float("inf"), "an infinite time")]
+
+
+def probe_junk(target: float, ceiling: int, cost: tuple, junk: tuple, at: list) -> dict:
+    """Steps of ``min(cap, 60)`` tokens billed ``a + b * tokens`` (and after step 5 twice that,
+    so that the fit keeps moving), with ``observe(*junk)`` told before each step of ``at``; and
+    the same steps without the junk. What observe returned for the junk, and both runs' caps,
+    decisions and ``describe()``."""
+    def run(with_junk: bool) -> dict:
+        ctl, caps, decisions, answers = TPOTController(target, ceiling), [], [], []
+        a, b = cost
+        for i in range(24):
+            if with_junk and i in at:
+                before = ctl.cap
+                d = ctl.observe(*junk)
+                answers.append([d is not None, before, ctl.cap])
+            n = max(1, min(int(ctl.cap), 60))
+            d = ctl.observe(n, (a + b * n) * (2.0 if i >= 5 else 1.0))
+            decisions.append(None if d is None else [d.old_cap, d.new_cap])
+            caps.append(ctl.cap)
+        return {"caps": caps, "decisions": decisions, "answers": answers,
+                "described": {k: v for k, v in ctl.describe().items()
+                              if isinstance(v, (int, float))}}
+    try:
+        return {"clean": run(False), "junk": run(True), "raised": None}
+    except NotImplementedError:
+        raise
+    except Exception as e:      # noqa: BLE001 - judged by the grader
+        return {"raised": f"{type(e).__name__}: {e}"}
+
+
+@pytest.mark.parametrize("junk", JUNK, ids=[f"{n}-tokens-{t}-ms" for n, t, _ in JUNK])
+def test_steps_of_no_tokens_or_a_bad_time_are_ignored(student, junk):
+    """``observe(num_tokens, step_ms)`` ignores a step of no tokens (an idle step), a negative
+    count, and a time that is negative or not finite (a clock that stepped back, a failed
+    measure): nothing folded into the fit, no decision, the cap unchanged, and every later cap
+    as if it had never been told (after the first step, and in the middle of a run)."""
+    n, t, what = junk
+    got = student.run(probe_junk, 40.0, 1024, (5.0, 1.0), (n, t), [1, 9, 10])
+    call = f"observe({n}, {t})"
+    assert got["raised"] is None, (
+        f"{call} ({what}) raised {got['raised']}: such a step is ignored (return None, nothing "
+        "folded into the fit): a NaN in the moments makes every later fit NaN")
+    clean, junky = got["clean"], got["junk"]
+    for decided, before, after in junky["answers"]:
+        assert not decided and after == before, (
+            f"{call} ({what}) moved the cap {before} -> {after}: such a step is ignored (return "
+            "None, the cap and the fit as they were)")
+    assert junky["caps"] == clean["caps"] and junky["decisions"] == clean["decisions"], (
+        f"{call} ({what}), told three times among 24 steps, changed the caps that followed: "
+        f"{junky['caps']} instead of {clean['caps']}: it was folded into the fit; a step of no "
+        "tokens, or with a time that is negative or not finite, is ignored")
+    assert junky["described"] == clean["described"], (
+        f"{call} ({what}) changed the fit: describe() {junky['described']} instead of "
+        f"{clean['described']}")
 
 
 def probe_engine(target: float, cost: tuple) -> dict:

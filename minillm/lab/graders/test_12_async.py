@@ -13,7 +13,9 @@ still running (not one preempted or ended while its step was in flight), each st
 tokens, the finish reasons, the preemptions, the prefix hits, the clock and the billed tokens must
 be the synchronous ``PagedEngine``'s (run here, by the package's own code), the pool full at the
 end. Last, an abort while a forward is in flight: the request ends once, at the next step, keeping
-its tokens (that step's too), and nothing of it lands after it ended. And the forward and the
+its tokens (that step's too), reported by that step's output (not a later one's: every
+request's finish is counted per step, and must fall on the synchronous engine's steps), and
+nothing of it lands after it ended. And the forward and the
 sampler both run on the executor's one worker thread, with the caller's torch thread count.
 
 The runs happen in the student's process (``probe_*``, the ``student`` fixture) and send back
@@ -115,6 +117,7 @@ def probe_serve(kind: str, opts: dict, abort: tuple | None = None) -> dict:
         engine.add_request(r)
         reqs.append(r)
     finals, raised, asked, billed = Counter(), None, {}, [0, 0.0]
+    at_step: dict[str, list[int]] = {}       # request -> the steps whose output reported it
     try:
         for i in range(MAX_STEPS):
             if not engine.has_unfinished():
@@ -124,6 +127,7 @@ def probe_serve(kind: str, opts: dict, abort: tuple | None = None) -> dict:
             billed[1] += out.prefill_ms + out.decode_ms
             for req in out.finished:
                 finals[req.request_id] += 1
+                at_step.setdefault(req.request_id, []).append(i)
             if abort is not None and i + 1 == abort[1]:
                 asked = abort_in_flight(engine, abort[0])
     except NotImplementedError:
@@ -132,6 +136,7 @@ def probe_serve(kind: str, opts: dict, abort: tuple | None = None) -> dict:
         raised = f"{type(e).__name__}: {e}"
     bm = engine.block_manager
     result = {"log": log, "raised": raised, "finals": dict(finals), "asked": asked,
+              "at_step": at_step,
               "unfinished": bool(engine.has_unfinished()) if raised is None else None,
               "tokens": {r.request_id: [[int(t) for t in s] for s in r.samples] for r in reqs},
               "reasons": {r.request_id: [str(getattr(o.finish_reason, "value", o.finish_reason))
@@ -189,6 +194,12 @@ def test_the_overlapped_engine_is_the_synchronous_engine(student, name):
     want = baseline(student, probe_serve, "sync", opts)
     assert all(got["finals"].get(rid) == 1 for rid in want["tokens"]), (
         f"every request is reported finished exactly once (StepOutput.finished): {got['finals']}")
+    late = {rid: (got["at_step"].get(rid), steps) for rid, steps in want["at_step"].items()
+            if got["at_step"].get(rid) != steps}
+    assert not late, (
+        f"{name}: requests reported finished (StepOutput.finished) at other steps than the "
+        f"synchronous engine's (request: (yours, its)): {late}: step N's output reports what "
+        "finished in step N, the step that landed in that call")
     for rid, tokens in want["tokens"].items():
         assert got["tokens"][rid] == tokens, (
             f"{name}: request {rid}'s samples differ from the synchronous engine's\n"
@@ -238,6 +249,10 @@ def test_an_abort_while_a_forward_is_in_flight_ends_the_request_once(student):
     assert got["finals"] == {rid: 1 for rid in got["tokens"]}, (
         f"every request is reported finished exactly once (the aborted one in the step that "
         f"applies the abort): {got['finals']}")
+    assert got["at_step"]["r1"] == [4], (
+        f"r1 was aborted after step 4 while step 5 was in flight: step 5 lands it and ends it, "
+        f"and step 5's output reports it (StepOutput.finished), not a later one; it was "
+        f"reported by step {[i + 1 for i in got['at_step']['r1']]}")
     assert got["reasons"]["r1"] == ["abort"], f"r1 ends aborted, got {got['reasons']['r1']}"
     assert all(r != ["abort"] for rid, r in got["reasons"].items() if rid != "r1"), \
         f"only r1 was aborted: {got['reasons']}"
