@@ -88,11 +88,22 @@ def ensure_gguf(kind: str) -> Path:
         subprocess.run([str(ensure_build() / "llama-quantize"), str(f32), str(out), "q8_0"],
                        check=True, stdout=subprocess.DEVNULL)
         return out
-    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(converter_deps())])}
     subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(ensure_smollm2_cache()),
                     "--outtype", kind, "--outfile", str(out)], check=True, env=env,
                    stdout=subprocess.DEVNULL)
     return out
+
+
+def converter_deps() -> Path:
+    """What ``convert_hf_to_gguf.py`` imports beyond torch, numpy and transformers (which it
+    shares with minillm): sentencepiece, installed into a folder of its own (``pip --target``),
+    never into the project's environment."""
+    target = HOME / "converter-deps"
+    if not (target / "sentencepiece").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
+                        "--no-deps", "sentencepiece"], check=True)
+    return target
 
 
 # --- llama.cpp's numbers ------------------------------------------------------------------------
