@@ -61,8 +61,18 @@ def command(spec: dict) -> list[str]:
     flags = ["--mount", "--pid", "--fork", "--net", "--ipc", "--uts", "--kill-child"]
     if os.geteuid() != 0:
         flags[:0] = ["--user", "--map-root-user"]
-    return [shutil.which("unshare") or "unshare", *flags, "--", sys.executable, "-I", "-S",
+    return [shutil.which("unshare") or "unshare", *flags, "--", python(), "-I", "-S",
             os.path.abspath(__file__), path]
+
+
+def python() -> str:
+    """This environment's interpreter by a path the jail holds. A venv reached through a link
+    (``.venv -> /elsewhere``) is bound at its real place, and a venv's python must start from its
+    own folder (it finds ``pyvenv.cfg`` there), so the folder is resolved, never the binary."""
+    inside = os.path.relpath(sys.executable, sys.prefix)
+    if inside.startswith(".."):
+        return sys.executable
+    return os.path.join(os.path.realpath(sys.prefix), inside)
 
 
 def isolation() -> tuple[bool, str]:

@@ -154,7 +154,8 @@ class Student:
                and not k.startswith(("MINILLM_LAB", "MINILLM_LABWORK"))}
         home = "/tmp" if self.isolated else self._tmp
         env.update(PATH=os.environ.get("PATH", "/usr/bin:/bin"), HOME=home, TMPDIR=home,
-                   PYTHONPATH=os.pathsep.join([str(self.inside), *_site_dirs()]),
+                   PYTHONPATH=os.pathsep.join([str(self.inside),   # real paths: the jail's
+                                               *map(os.path.realpath, _site_dirs())]),
                    PYTHONDONTWRITEBYTECODE="1", MINILLM_LAB_MODULES=",".join(self.modules),
                    HYPOTHESIS_STORAGE_DIRECTORY=os.path.join(home, ".hypothesis"))
         key, _, value = self.mark.partition("=")
@@ -164,7 +165,8 @@ class Student:
     def _start(self) -> None:
         if os.environ.get(jail.ENV) == "required" and not self.isolated:
             raise StudentError(f"the student's process cannot be isolated here ({self.isolation})")
-        argv = [sys.executable, "-S", str(self.inside / "_minillm_child.py")]
+        argv = [jail.python() if self.isolated else sys.executable, "-S",
+                str(self.inside / "_minillm_child.py")]
         if self.isolated:
             os.makedirs(os.path.join(self._tmp, "root"), exist_ok=True)
             spec = jail.plan(os.path.join(self._tmp, "root"), str(self.root), argv, self._env(),
