@@ -68,14 +68,16 @@ def test_first_cell_stands_the_student_s_solutions_in(path):
 def classroom(tmp_path_factory) -> Path:
     """A handout with every exercise stubbed, solved in ``labwork/`` by a student whose code is
     the reference with one no-op statement per function (so it is the student's file that runs)."""
-    from test_lab_outside import with_no_ops
+    from test_lab_isolation_copies import with_no_ops
+    from test_lab_outside import reference
 
     from minillm.lab.exercises import EXERCISES
     from minillm.lab.teacher import handout
     out = handout(tmp_path_factory.mktemp("class") / "students", list(EXERCISES))
     for ex_id, ex in EXERCISES.items():
         (out / "labwork" / ex_id).mkdir(parents=True)
-        (out / "labwork" / ex_id / ex.file_name).write_text(with_no_ops(ex_id))
+        (out / "labwork" / ex_id / ex.file_name).write_text(with_no_ops(reference(ex_id),
+                                                                        ex.functions))
     return out
 
 

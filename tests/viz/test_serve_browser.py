@@ -57,7 +57,9 @@ def test_dashboard_updates_live(tiny, browser, tmp_path):  # noqa: F811
         browser.get(f"{url}/dashboard")
         state = lambda: browser.execute_script(DOM_STATE)  # noqa: E731
         wait_until(lambda: state()["status"] == "live", 30, "the page to connect")
-        assert state()["rows"] == [] and " 0 token slots" in state()["kv"]
+        # "live" is the stream's open; the first frame (the idle engine's KV) follows it
+        wait_until(lambda: " 0 token slots" in state()["kv"], 30, "the first frame")
+        assert state()["rows"] == []
         assert state()["off"] == ["none", "none"]     # no controller, no transfers: no lines
 
         stop, seen = threading.Event(), []
