@@ -43,6 +43,18 @@ def assert_greedy_match(got: list[int], ref: Reference, tie_tol: float = 1e-3, l
     print(f"{label}: diverged at a near-tie (token {first}, margin {ref.margins[first]:.2e})")
 
 
+_TINY: dict = {}
+
+
+def tiny_model():
+    """The tiny Llama (fp32), loaded once per process: graders call it in the grading process and
+    the student's process alike (each loads its own)."""
+    if "m" not in _TINY:
+        from ..models import load_model
+        _TINY["m"] = load_model("tiny-llama", dtype=torch.float32)
+    return _TINY["m"]
+
+
 def random_prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minillm.lab import flags  # noqa: E402
 from minillm.lab.exercises import EXERCISES  # noqa: E402
 from minillm.lab.skeleton import _functions, make_skeleton  # noqa: E402
+from test_lab_outside import HONEST_08  # noqa: E402
 
 
 def _body(fn: ast.FunctionDef) -> tuple[list[ast.stmt], list[ast.stmt]]:
@@ -98,17 +99,7 @@ DISGUISES = {
 }
 
 HONEST = {   # written from the hints, not from the reference: (exercise, {function: body})
-    "08": {
-        "Priority.key": "return group.request.priority, group.arrival_index",
-        "Priority.preempts": "gap = victim.request.priority - candidate.request.priority\n"
-                             "return gap > self.threshold",
-        "remaining_tokens": "most = 0\nfor s in group.seqs:\n    most = max(most, s.num_tokens - "
-                            "s.prompt_len)\nreturn max(group.request.params.max_tokens - most, 0)",
-        "Score.score": "p = self.priority_weight * group.request.priority\n"
-                       "r = self.remaining_weight * remaining_tokens(group)\n"
-                       "return p + r + self.wait_weight * group.arrival_step",
-        "Score.preempts": "return self.score(victim) - self.score(candidate) > self.margin",
-    },
+    "08": HONEST_08,     # the class test grades it: it passes
     "12": {
         "TPOTController.observe": (
             "if not num_tokens > 0 or not math.isfinite(step_ms) or step_ms < 0:\n"

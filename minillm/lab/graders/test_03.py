@@ -19,21 +19,10 @@ from minillm.core.block_manager import BlockManager
 from minillm.core.sequence import Sequence
 from minillm.lab.checks import book_state, check_books
 from minillm.lab.reference import (assert_greedy_match, hf_greedy, judge_pressure, pressure_runs,
-                                   random_prompts)
+                                   random_prompts, tiny_model)
 from minillm.request import Request
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
-_MODEL: dict = {}
-
-
-def tiny_model():
-    """The tiny Llama, once per process (the student's process loads its own)."""
-    if "m" not in _MODEL:
-        import torch
-
-        from minillm import load_model
-        _MODEL["m"] = load_model("tiny-llama", dtype=torch.float32)
-    return _MODEL["m"]
 
 
 ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free", "grow"]),

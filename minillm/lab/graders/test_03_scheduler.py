@@ -20,7 +20,7 @@ from minillm.core.runner import reaching_end, step_order
 from minillm.core.scheduler import Scheduler, SchedulerOutput
 from minillm.lab.checks import book_state, check_books
 from minillm.lab.reference import (assert_greedy_match, hf_greedy, judge_pressure, pressure_runs,
-                                   random_prompts)
+                                   random_prompts, tiny_model)
 from minillm.request import Request
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
@@ -29,17 +29,6 @@ MAX_STEPS = 5000     # a run that has not ended by then livelocks
 # fits the pool); one that schedules nothing this many steps in a row is stuck, and saying so
 # at once spares a stuck run (and each example hypothesis shrinks) its 5,000 steps.
 MAX_IDLE_STEPS = 20
-_MODEL: dict = {}
-
-
-def tiny_model():
-    """The tiny Llama, once per process (the student's process loads its own)."""
-    if "m" not in _MODEL:
-        import torch
-
-        from minillm import load_model
-        _MODEL["m"] = load_model("tiny-llama", dtype=torch.float32)
-    return _MODEL["m"]
 
 
 def fake_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:

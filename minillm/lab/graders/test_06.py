@@ -21,20 +21,12 @@ import torch
 from minillm import LLM, SamplingParams
 from minillm.engines.r6_speculative.engine import SpeculativeEngine
 from minillm.engines.r6_speculative.rejection import accept_greedy, accept_sampled, accept_seeded
-from minillm.lab.reference import assert_greedy_match, baseline, hf_greedy, random_prompts
+from minillm.lab.reference import (assert_greedy_match, baseline, hf_greedy, random_prompts,
+                                   tiny_model)
 from minillm.request import Request
 from minillm.sampling import draw_uniform, sample_one
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
-_MODEL = {}
-
-
-def tiny_model():
-    """The tiny Llama, once per process (the student's loads its own)."""
-    if "m" not in _MODEL:
-        from minillm import load_model
-        _MODEL["m"] = load_model("tiny-llama", dtype=torch.float32)
-    return _MODEL["m"]
 
 
 def probe_greedy(cases: list) -> list:

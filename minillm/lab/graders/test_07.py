@@ -19,18 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.lab.reference import baseline
+from minillm.lab.reference import baseline, tiny_model
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
-_MODEL: dict = {}
-
-
-def tiny_model():
-    """The tiny Llama (2 layers), once per process (the student's process loads its own)."""
-    if "m" not in _MODEL:
-        from minillm import load_model
-        _MODEL["m"] = load_model("tiny-llama", dtype=torch.float32)
-    return _MODEL["m"]
 
 
 # --- split_layers ------------------------------------------------------------------------------

@@ -24,19 +24,11 @@ from minillm import SamplingParams
 from minillm.core.engine import PagedEngine
 from minillm.engines.r11_disagg.transfer import (Handoff, filled_blocks, install_blocks, pool_layout,
                                                  recv_blocks)
+from minillm.lab.reference import tiny_model
 from minillm.request import Request
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
 FORMATS = ("auto", "int8", "bfloat16", "fp8")
-_MODEL: dict = {}
-
-
-def tiny_model():
-    """The tiny Llama, once per process (the student's process loads its own)."""
-    if "m" not in _MODEL:
-        from minillm import load_model
-        _MODEL["m"] = load_model("tiny-llama", dtype=torch.float32)
-    return _MODEL["m"]
 
 
 def filled_cases() -> list:

@@ -29,20 +29,11 @@ import pytest
 import torch
 
 from minillm import Request
-from minillm.lab.reference import baseline, mixed_requests
+from minillm.lab.reference import baseline, mixed_requests, tiny_model
 
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
 MAX_STEPS = 2000     # a run that has not drained by then never will (a hang is a failure)
-_MODEL: dict = {}
 EXECUTOR = "ThreadExecutor"
-
-
-def tiny_model():
-    """The tiny Llama, once per process (the student's process loads its own)."""
-    if "m" not in _MODEL:
-        from minillm import load_model
-        _MODEL["m"] = load_model("tiny-llama", dtype=torch.float32)
-    return _MODEL["m"]
 
 
 def cost(sched) -> float:
