@@ -9,8 +9,9 @@ once: the second caller waits for the first one's result. xgrammar's own cache i
 every grammar it ever compiled. The server compiles in threads of its own, with a time bound
 (``serve/grammar.py``); offline, ``Engine.validate`` compiles here directly.
 
-A grammar that admits no string (regex ``[^\\s\\S]``, schema ``{"$ref": "#"}``) is refused here,
-a ``FieldError``: its first mask allows no token. One that runs into a dead end later (after a
+A grammar that admits no string (regex ``[^\\s\\S]``) is refused here, a ``FieldError``: its
+first mask allows no token. (A JSON schema that no value satisfies, ``{"$ref": "#"}``, is refused
+sooner: xgrammar will not parse it, ``StructuredOutputsParams.grammar``.) One that runs into a dead end later (after a
 few tokens) is caught where rows are sampled (``structured.apply_grammar_masks``).
 """
 from __future__ import annotations

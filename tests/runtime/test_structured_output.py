@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from minillm import LLM, SamplingParams
+from minillm.checks import FieldError
 from minillm.request import Request, RequestError
 from minillm import grammar_compiler
 from minillm.checks import FieldError
@@ -351,13 +352,25 @@ def test_the_mask_bench_times_both_fills_and_refuses_too_few_steps(capsys):
 
 
 # --- grammars that admit nothing, dead ends, the compile cache -----------------------------------
-@pytest.mark.parametrize("so,field", [(SO(regex=r"[^\s\S]"), "structured_outputs.regex"),
-                                      (SO(json={"$ref": "#"}), "structured_outputs.json")])
-def test_a_grammar_that_admits_no_string_is_refused(paged, so, field):
+def test_a_grammar_that_admits_no_string_is_refused(paged):
     """Refused when compiled (its first mask allows no token), not run to a garbage "stop"."""
+    so, field = SO(regex=r"[^\s\S]"), "structured_outputs.regex"
     out = paged.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=so))[0]
     assert out.finish_reason == "error" and f"{field} admits no string" in out.error
     assert out.token_ids == []
+    assert_pool_full(paged)
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"$ref": "#"}, "Circular $ref"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "cannot accept any value")])
+def test_a_schema_no_value_satisfies_is_refused_when_the_params_are_built(paged, schema, words):
+    """xgrammar (>= 0.2.9) will not parse such a schema: the params are refused before any
+    request exists, naming the field and what xgrammar said; the engine is untouched."""
+    with pytest.raises(FieldError) as e:
+        SO(json=schema)
+    assert e.value.field == "structured_outputs.json" and words in str(e.value), str(e.value)
+    assert paged.generate(["x"], SamplingParams(max_tokens=2))[0].finish_reason == "length"
     assert_pool_full(paged)
 
 
