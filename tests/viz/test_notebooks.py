@@ -95,16 +95,29 @@ def run_notebook(path, monkeypatch) -> nbformat.NotebookNode:
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
+    from nbclient.exceptions import DeadKernelError
+
     kernel = python_kernel()
     monkeypatch.setenv("MINILLM_QUICK", "1")   # the kernel inherits this process's environment
+    # A kernel that dies (a crash in native code, the OOM killer) prints its Python stacks to
+    # its stderr, which pytest shows under the failure; its exit status says which it was.
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     nb = nbformat.read(path, as_version=4)
+    kernels: list = []
     client = NotebookClient(nb, kernel_name=kernel, timeout=600,
-                            resources={"metadata": {"path": str(path.parent)}})
+                            resources={"metadata": {"path": str(path.parent)}},
+                            on_notebook_start=lambda **_: kernels.append(client.km.provisioner))
     t = time.perf_counter()
     try:
         client.execute()
     except CellExecutionError as e:
         pytest.fail(f"{path.name} failed:\n{e}")
+    except DeadKernelError as e:
+        process = getattr(kernels[0], "process", None) if kernels else None
+        status = process.poll() if process is not None else "unknown"
+        pytest.fail(f"{path.name}: its kernel died ({e}); exit status {status} (-9: killed, "
+                    f"the OOM killer's signal; -11: a crash in native code; its stacks are "
+                    f"in the captured stderr)")
     took = time.perf_counter() - t
     print(f"{path.name}: {took:.1f} s")     # for information only: no test asserts on time
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
