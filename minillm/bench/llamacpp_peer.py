@@ -136,14 +136,22 @@ def llama_greedy_text(model: Path, prompt: str, new_tokens: int, threads: int) -
 
 
 # --- minillm's numbers, the same work -----------------------------------------------------------
-def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: int = 64):
+def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: int = 64,
+                   compile_buckets: str | None = None):
+    """The paged engine on SmolLM2 in ``dtype``; with ``compile_buckets`` rung 14's compiled
+    engine, each bucket compiled here by a short warm-up (never inside a timed run)."""
     from ..engines import create_engine
     from ..models import load_model
 
     options = {"max_num_seqs": max_num_seqs}
     if quantization:
         options["quantization"] = quantization
-    return create_engine("paged", load_model("smollm2-135m-instruct", dtype=dtype), **options)
+    if compile_buckets:
+        options.update(compile=True, compile_buckets=compile_buckets)
+    engine = create_engine("paged", load_model("smollm2-135m-instruct", dtype=dtype), **options)
+    for b in (map(int, compile_buckets.split(",")) if compile_buckets else ()):
+        minillm_batched(engine, b, 4, 2)          # a decode step of b rows: compiles bucket b
+    return engine
 
 
 def minillm_one_stream(engine, new_tokens: int) -> float:
@@ -201,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default=None,
                     help="minillm's 8-bit weights against llama.cpp's q8_0 (e.g. int8)")
     ap.add_argument("--threads", type=int, default=None, help="default: minillm's torch threads")
+    ap.add_argument("--compile", action="store_true",
+                    help="minillm's compiled step (rung 14): one bucket per row count measured")
     ap.add_argument("--json", default="figures/bench_llamacpp.json")
     args = ap.parse_args(argv)
     import torch
@@ -214,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quantization:
         work.append(("float32", "q8_0", args.quantization))
     for dtype, kind, quant in work:
-        gguf, engine = ensure_gguf(kind), minillm_engine(dtype, quant)
+        buckets = ",".join(map(str, sorted({1, *batches}))) if args.compile else None
+        gguf, engine = ensure_gguf(kind), minillm_engine(dtype, quant, compile_buckets=buckets)
         if kind == "f32":
             agree = greedy_agreement(engine, gguf, threads)
             print(f"greedy, f32: the same first {agree['same_chars']} characters of "
@@ -230,11 +241,12 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     theirs.append(llama_batched(gguf, b, args.prompt, args.new_tokens, threads))
                     ours.append(minillm_batched(engine, b, args.prompt, args.new_tokens))
-            row = {"work": label, "minillm": f"{dtype}{'+' + quant if quant else ''}",
+            name = f"{dtype}{'+' + quant if quant else ''}{'+compiled' if buckets else ''}"
+            row = {"work": label, "minillm": name,
                    "llama.cpp": kind, "minillm_tok_s": max(ours), "llamacpp_tok_s": max(theirs),
                    "ratio": max(ours) / max(theirs), "threads": threads}
             rows.append(row)
-            print(f"{label:28s} minillm {row['minillm']:>14s} {row['minillm_tok_s']:7.1f} tok/s | "
+            print(f"{label:28s} minillm {row['minillm']:>23s} {row['minillm_tok_s']:7.1f} tok/s | "
                   f"llama.cpp {kind:>5s} {row['llamacpp_tok_s']:7.1f} tok/s | "
                   f"{row['ratio']:.2f}x", flush=True)
         del engine

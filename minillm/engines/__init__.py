@@ -4,11 +4,11 @@
 config dataclasses the class declares in ``configs``: no list of options is kept by hand
 anywhere), where a name leads with some options (``upgrades``: ``paged`` with ``speculative=`` is
 rung 6, with ``pipeline_parallel_size`` rung 7, with ``tensor_parallel_size`` rung 10, with
-``enable_lora`` rung 13; ``disagg``, rung 11, has a name of its own), the rungs' configs that
-plug a component into it (``features``: rung 12's ``async_scheduling`` is an executor, on
-``paged`` and rung 6 alike; an engine without the feature refuses the option by name) and what
-it can do (abort, n > 1 and beam search: class attributes of the engine). The CLI, the
-benchmark, the server and ``LLM`` all go through it.
+``enable_lora`` rung 13, with ``compile`` rung 14; ``disagg``, rung 11, has a name of its own),
+the rungs' configs that plug a component into it (``features``: rung 12's ``async_scheduling``
+is an executor, on ``paged`` and rung 6 alike; an engine without the feature refuses the option
+by name) and what it can do (abort, n > 1 and beam search: class attributes of the engine). The
+CLI, the benchmark, the server and ``LLM`` all go through it.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec("paged", 3, "minillm.core.engine", "PagedEngine", servable=True, upgrades={
         "speculative": {"ngram": "paged+ngram", "draft": "paged+draft"},
         "tensor_parallel_size": "tensor", "pipeline_parallel_size": "pipeline",
-        "enable_lora": {True: "paged+lora"}}, features=_PAGED),
+        "enable_lora": {True: "paged+lora"}, "compile": {True: "compiled"}}, features=_PAGED),
     EngineSpec("paged+ngram", 6, _SPEC, "SpeculativeEngine", {"speculative": "ngram"},
                features=_PAGED),
     EngineSpec("paged+draft", 6, _SPEC, "SpeculativeEngine", {"speculative": "draft"},
@@ -139,6 +139,9 @@ REGISTRY: dict[str, EngineSpec] = {s.name: s for s in (
                servable=True, features=_PAGED),
     EngineSpec("paged+lora", 13, "minillm.engines.r13_lora.engine", "LoRAEngine",
                {"enable_lora": True}, servable=True, features=(_POLICY, _REALTIME)),
+    # rung 14: the paged engine whose decode steps run compiled (``compile=True``)
+    EngineSpec("compiled", 14, "minillm.engines.r14_compiled.engine", "CompiledEngine",
+               {"compile": True}, servable=True, features=_PAGED),
 )}
 ENGINES = tuple(REGISTRY)
 

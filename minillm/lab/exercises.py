@@ -180,6 +180,28 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "adapter before must leave zeros), then A[:r] = a and B[:, :r] = adapter.scale * b "
              "for each (layer, module) it adapts; live[m] holds exactly the slots adapting m; "
              "names[s] and self.loads follow."),
+    Exercise("14", "int8 weights: one scale per output channel",
+             "minillm.layers.quant", ("quantize_per_channel", "Int8Linear.__call__"),
+             "14_compiled", 30,
+             "Each output channel (a row of W) gets its own fp32 scale, s = max|W_row| / 127 "
+             "(computed on W.float()), and an all-zero row gets scale 1; the row is stored as "
+             "q = round(W / s) clamped to [-127, 127], as torch.int8: return (q [out, in], "
+             "s [out]). The product y = (x @ q.T) * s: s multiplies y's output columns, after "
+             "the sum; then + bias, then residual + y. On the 'dequant' path widen q to x's "
+             "dtype (q.to(x.dtype)) and let F.linear multiply; on 'int8pack' (self.path, or "
+             "int8_path(x.device) when it is None; fp32, bf16 or fp16 x only) call "
+             "torch.ops.aten._weight_int8pack_mm(x2d, q, s) on x flattened to 2-D and give the "
+             "result x's leading dimensions back."),
+    Exercise("14-buckets", "A compiled step: the bucket a batch is padded to",
+             "minillm.engines.r14_compiled.config", ("bucket_for", "parse_buckets"),
+             "14_compiled", 15,
+             "bucket_for(n, buckets): the smallest bucket >= n (a bucket equal to the batch holds "
+             "it; never a smaller one: the padded step must hold every row), None when n is "
+             "larger than every bucket (that step runs eagerly); n < 1 is a ValueError. "
+             "parse_buckets('1,2,4,8') -> (1, 2, 4, 8), a tuple: items separated by commas (or "
+             "semicolons), spaces around them allowed; None gives DEFAULT_BUCKETS; every item a "
+             "positive integer, each larger than the one before, else a ValueError whose message "
+             "names compile_buckets (the option the user set) and what is wrong with it."),
 ]}
 
 

@@ -184,6 +184,17 @@ def rslora_scale(lora_alpha: float = 32, r: int = 16) -> float:
     return lora_scale(lora_alpha, r, True)
 
 
+def int8_projection_bytes() -> int:
+    """Bytes of one SmolLM2 ``hidden x hidden`` projection stored as rung 14's ``int8`` stores it:
+    the definition's arithmetic (a handout stubs ``quantize_per_channel``): one byte per weight
+    and one fp32 scale per output row."""
+    from transformers import AutoConfig
+
+    from ..models import ensure_smollm2_cache
+    hidden = AutoConfig.from_pretrained(ensure_smollm2_cache()).hidden_size
+    return hidden * hidden + 4 * hidden
+
+
 def in_handout() -> bool:
     """A students' copy (``lab handout``): it has no graders, and the key stays with the teacher."""
     from pathlib import Path
@@ -259,6 +270,10 @@ QUESTIONS: dict[str, Question] = {q.id: q for q in [
              "its delta B A x by", rslora_scale,
              "plain LoRA divides lora_alpha by r; rsLoRA (use_rslora) by the square root of r",
              rel_tol=1e-9),
+    Question("14.q1", "bytes of one 576 x 576 projection of SmolLM2 with int8 weights and fp32 "
+             "per-channel scales", int8_projection_bytes,
+             "one byte per weight; one 4-byte scale per output channel (a row of W)",
+             rel_tol=0.0),
 ]}
 
 

@@ -9,12 +9,14 @@ from ..runtime.config import option
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
 LINEAR_BACKENDS = ("torch", "onednn")
 LAYER_OPS = ("fused", "eager")
+QUANTIZATIONS = ("int8", "w8a8")     # rung 14's weight formats (layers/quant.py)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """How the model runs: the attention backend (rung 3's torch reference, rung 4's kernels) and
-    the kernel of the linear layers (layers/linear.py)."""
+    """How the model runs: the attention backend (rung 3's torch reference, rung 4's kernels),
+    the kernel of the linear layers (layers/linear.py) and their weights' format (rung 14's
+    ``quantization``, layers/quant.py)."""
 
     attention_backend: str | None = option(
         None, "paged: attention backend, torch, cpp or triton (default: triton on CUDA, cpp on "
@@ -25,12 +27,27 @@ class ModelConfig:
     layer_ops: str | None = option(
         None, "paged: a layer's RMSNorm, RoPE and SiLU, fused (one C++ pass each: the default for "
               "fp32/bf16/fp16 on the CPU where it builds) or eager (torch ops: the reference)")
+    quantization: str | None = option(
+        None, "paged: linear weights in int8, one scale per output channel: int8 (weight-only) "
+              "or w8a8 (activations in int8 per token too; needs VNNI or AMX-INT8); it picks "
+              "the linear kernel (layers/quant.py, rung 14)")
 
     def __post_init__(self):
         if self.layer_ops not in (None, *LAYER_OPS):
             raise ValueError(f"unknown layer_ops {self.layer_ops!r}: choose "
                              f"{' or '.join(map(repr, LAYER_OPS))}")
-        if self.linear_backend not in (None, *LINEAR_BACKENDS):
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"unknown quantization {self.quantization!r}: choose "
+                             f"{' or '.join(map(repr, QUANTIZATIONS))}")
+        if self.quantization is not None:
+            # the quantized weight is the kernel's own format: the kernel is named after it, and
+            # the engine reads it where it reads any linear kernel's name (linear_backend)
+            if self.linear_backend not in (None, self.quantization):
+                raise ValueError(f"quantization={self.quantization!r} picks the linear kernel "
+                                 f"itself: leave linear_backend unset (got "
+                                 f"{self.linear_backend!r})")
+            object.__setattr__(self, "linear_backend", self.quantization)
+        elif self.linear_backend not in (None, *LINEAR_BACKENDS):
             raise ValueError(f"unknown linear_backend {self.linear_backend!r}: choose "
                              f"{' or '.join(map(repr, LINEAR_BACKENDS))}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -39,4 +56,4 @@ class ModelConfig:
                              f"{ATTENTION_BACKENDS[-1]!r}")
 
 
-__all__ = ["ATTENTION_BACKENDS", "LAYER_OPS", "LINEAR_BACKENDS", "ModelConfig"]
+__all__ = ["ATTENTION_BACKENDS", "LAYER_OPS", "LINEAR_BACKENDS", "ModelConfig", "QUANTIZATIONS"]

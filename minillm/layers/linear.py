@@ -26,7 +26,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .config import LINEAR_BACKENDS
+from .config import LINEAR_BACKENDS, QUANTIZATIONS
+from .quant import get_quantized_kernel
 # oneDNN picks its blocked layout for an expected number of rows; any number of rows then runs
 # (measured on the lab CPU: a layout for 16 rows or for 128 differs by < 5% at 1-256 rows).
 ROWS_HINT = 128
@@ -127,7 +128,9 @@ def onednn_works(dtype: torch.dtype = torch.float32) -> bool:
 def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
     """``torch`` or ``onednn``. By default onednn for fp32 and bf16 on the CPU where it works,
     torch otherwise (a GPU's cuBLAS needs no help; fp16 on a CPU stays on torch's path). Asking
-    for onednn where it cannot run warns once and uses torch: same tokens, slower."""
+    for onednn where it cannot run warns once and uses torch: same tokens, slower. ``int8`` and
+    ``w8a8`` are rung 14's kernels on int8 weights (quant.py), named by
+    ``ModelConfig.quantization``; w8a8 where the CPU has no int8 units is a RuntimeError."""
     device = torch.device(device)
     fits = device.type == "cpu" and onednn_works(dtype)
     if name is None:
@@ -141,6 +144,8 @@ def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
                       f"{dtype}, oneDNN {'works' if onednn_works() else 'unavailable'}): using "
                       f"torch's F.linear", RuntimeWarning, stacklevel=2)
         return TorchLinear()
+    if name in QUANTIZATIONS:
+        return get_quantized_kernel(name, device)
     raise ValueError(f"unknown linear_backend {name!r}: choose 'torch' or 'onednn'")
 
 

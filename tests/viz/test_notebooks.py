@@ -21,7 +21,7 @@ EXPECTED = ["00_naive_loop", "01_static_batching", "02_dynamic_batching", "03_bl
             "04_triton_kernels", "05_fragmentation_visualizer", "06_speculative_decoding",
             "07_pipeline_parallel", "08_scheduling_policies", "09_quantized_kv",
             "10_tensor_parallel", "11_disaggregation",
-            "12_realtime_scheduling", "13_multi_lora"]
+            "12_realtime_scheduling", "13_multi_lora", "14_compiled"]
 
 
 def test_every_step_has_its_notebook():

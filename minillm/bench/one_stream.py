@@ -1,0 +1,190 @@
+"""One stream, N new tokens: eager vs compiled vs int8 weights (rung 14, notebook 14):
+``python -m minillm.bench.one_stream``.
+
+A single request decoding is the step with the least work per Python call: one row per matrix
+product, so the step's time is the weights' bytes over the memory bandwidth plus whatever the
+host adds (the Python of 30 layers, ~300 kernel launches). Each variant is an engine built once
+and warmed up (the compiled one compiles its bucket for batch 1 there: that time is shown
+apart), then the variants run in turn, ``--runs`` times each, alternating so that a noisy
+neighbour slows all of them alike; the table shows each variant's median tok/s (the request's
+wall time, its prefill included) and the dtype of its activations on every row.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+VARIANTS = {
+    "eager": {},
+    "compiled": {"compile": True, "compile_buckets": "1"},
+    "int8": {"quantization": "int8"},
+    "compiled+int8": {"compile": True, "compile_buckets": "1", "quantization": "int8"},
+}
+PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def build(model, variant: str, kv_cache_bytes: int = 64 << 20):
+    from .. import LLM
+    return LLM(model, engine="paged", max_num_seqs=1, kv_cache_bytes=kv_cache_bytes,
+               **VARIANTS[variant])
+
+
+def one_run(llm, prompt, new_tokens: int) -> tuple[float, list[int]]:
+    """(tok/s, the tokens) of one greedy request of ``new_tokens`` tokens, EOS ignored."""
+    from .. import SamplingParams
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, progress=False)[0]
+    return new_tokens / (time.perf_counter() - start), out.token_ids
+
+
+def dispatches_per_token(llm, prompt, new_tokens: int = 8) -> float:
+    """Calls into torch's dispatcher per generated token (``torch.profiler``'s CPU events over
+    one greedy request, its prefill and sampling included): each is Python handing one op to
+    torch, the host's work that a compiled step folds into one call (notebook 14)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        one_run(llm, prompt, new_tokens)
+    return len(prof.events()) / new_tokens
+
+
+def weights_floor_ms(model, quantization: str | None = None, size_mb: int = 256) -> dict:
+    """The one-row step's floor: its weights' bytes (every linear weight, ``lm_head`` included,
+    as ``quantization`` stores them) over this machine's read bandwidth, measured as the best of
+    five copies of a ``size_mb`` MB tensor (a copy reads and writes each byte: 2x its size)."""
+    import torch
+
+    from .quant_accuracy import weight_bytes
+    src = torch.ones(size_mb << 18)        # size_mb MB of fp32
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    gb_s = 2 * src.numel() * 4 / best / 1e9
+    nbytes = weight_bytes(model, quantization)
+    return {"weight_mb": nbytes / 1e6, "gb_s": gb_s, "floor_ms": nbytes / 1e6 / gb_s}
+
+
+def product_times(out_features: int = 1536, in_features: int = 576, copies: int = 40,
+                  repeats: int = 15) -> dict[str, float]:
+    """Microseconds of one one-row product ``x @ W.T`` (SmolLM2's gate/up shape by default),
+    best of ``repeats`` passes over ``copies`` different weights (so they come from memory, as
+    in a step, not from cache), by each way the engine can compute it: ``F.linear`` (BLAS on
+    the plain weight, what inductor's ``mm`` calls), oneDNN on its packed copy (the eager
+    engine's ``onednn`` kernel, and rung 14's ``packed_linear``), and int8 ``dequant``."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..layers.linear import OneDNNLinear, onednn_works
+    from ..layers.quant import Int8Linear
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out_features, in_features, generator=g) for _ in range(copies)]
+    x = torch.randn(1, in_features, generator=g)
+    ways = {"F.linear": (lambda w: w, lambda p: F.linear(x, p))}
+    if onednn_works():
+        k = OneDNNLinear()
+        ways["onednn packed"] = (k.pack, lambda p: k(x, p))
+    q = Int8Linear("dequant")
+    ways["int8 dequant"] = (q.pack, lambda p: q(x, p))
+    out = {}
+    for name, (pack, call) in ways.items():
+        packed = [pack(w) for w in weights]
+        for p in packed:
+            call(p)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for p in packed:
+                call(p)
+            best = min(best, (time.perf_counter() - start) / copies)
+        out[name] = best * 1e6
+    return out
+
+
+def measure(model, variants=("eager", "compiled", "int8"), new_tokens: int = 128,
+            runs: int = 3, progress=print) -> list[dict]:
+    prompt = {"messages": [{"role": "user", "content": PROMPT}]}
+    engines, setup = {}, {}
+    for v in variants:
+        start = time.perf_counter()
+        engines[v] = build(model, v)
+        one_run(engines[v], prompt, 4)                # warm-up: the compiled one compiles here
+        setup[v] = time.perf_counter() - start
+        if progress:
+            progress(f"{v}: built and warmed up in {setup[v]:.1f} s")
+    speeds: dict[str, list[float]] = {v: [] for v in variants}
+    tokens: dict[str, list[int]] = {}
+    for r in range(runs):
+        for v in variants:
+            tps, tokens[v] = one_run(engines[v], prompt, new_tokens)
+            speeds[v].append(tps)
+        if progress:
+            progress(f"run {r + 1}/{runs}: " + ", ".join(f"{v} {speeds[v][-1]:.1f}"
+                                                         for v in variants))
+    ref = tokens[variants[0]]
+    dtype = str(model.dtype).replace("torch.", "")
+    return [{"variant": v, "dtype": dtype,
+             "weights": VARIANTS[v].get("quantization") or dtype,
+             "tok_s_median": statistics.median(speeds[v]), "tok_s_runs": speeds[v],
+             "setup_s": setup[v], "new_tokens": new_tokens,
+             "compile_s": engines[v].engine.describe().get("compile_s"),
+             "same_tokens_as_first": tokens[v] == ref} for v in variants]
+
+
+def format_table(rows: list[dict]) -> str:
+    base = rows[0]["tok_s_median"]
+    lines = ["| variant | activations | weights | tok/s (median) | runs | vs first | setup s "
+             "(compile) | tokens = first row's |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = " ".join(f"{x:.1f}" for x in r["tok_s_runs"])
+        lines.append(f"| {r['variant']} | {r['dtype']} | {r['weights']} | "
+                     f"{r['tok_s_median']:.1f} | {runs} | {r['tok_s_median'] / base:.2f}x | "
+                     f"{r['setup_s']:.1f} | {r['same_tokens_as_first']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from ..models import DEFAULT_MODEL, load_model
+    p = argparse.ArgumentParser(prog="python -m minillm.bench.one_stream",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--variants", default="eager,compiled,int8",
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--products", action="store_true",
+                   help="also time one one-row product each way it can be computed (µs)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also print int8's accuracy figures (bench/quant_accuracy.py)")
+    args = p.parse_args(argv)
+    variants = tuple(args.variants.split(","))
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variant {bad[0]!r}: choose from {', '.join(VARIANTS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype)
+    print(f"{args.model}, one stream, {args.new_tokens} new tokens, {args.runs} alternating runs,"
+          f" {torch.get_num_threads()} threads, activations {model.dtype}")
+    rows = measure(model, variants, args.new_tokens, args.runs)
+    print(format_table(rows))
+    if args.products:
+        fp32 = 1536 * 576 * 4
+        for name, us in product_times().items():
+            print(f"one row x 576 -> 1536, {name:14s} {us:7.1f} µs  ({fp32 / us / 1e3:.1f} GB/s "
+                  f"of fp32 weight)")
+    if args.accuracy:
+        from .quant_accuracy import measure as accuracy
+        accuracy(model, ("int8",))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

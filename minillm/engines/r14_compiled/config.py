@@ -1,0 +1,59 @@
+"""``CompileConfig``: rung 14's options (notebook 14_compiled). ``paged`` with ``compile=True``
+(``--compile``) is this rung's engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...runtime.config import check_bool, option
+
+# nano-vllm's CUDA-graph sizes, doubling: a batch of n decodes runs in the smallest bucket that
+# holds it, so each shape is compiled once and a batch never waits for a bigger compile than 2n.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def parse_buckets(text: str | None) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8): positive, increasing; ValueError naming the item otherwise."""
+    if text is None:
+        return DEFAULT_BUCKETS
+    out: list[int] = []
+    for item in str(text).replace(";", ",").split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"compile_buckets must be positive integers, e.g. '1,2,4,8'; "
+                             f"got {item!r} in {text!r}")
+        if out and int(item) <= out[-1]:
+            raise ValueError(f"compile_buckets must increase, got {text!r}")
+        out.append(int(item))
+    return tuple(out)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds ``n`` rows (never smaller than the batch), or None when
+    the batch is larger than every bucket (that step runs eagerly)."""
+    if n < 1:
+        raise ValueError(f"a decode step has at least one row, got {n}")
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    compile: bool = option(
+        False, "compiled (rung 14): run decode steps through torch.compile (inductor's C++ "
+               "backend on a CPU), padded to a few batch sizes; with --engine paged it selects "
+               "the compiled engine")
+    compile_buckets: str | None = option(
+        None, "compiled: the batch sizes decode steps are padded to, each compiled once on "
+              "first use, e.g. '1,2,4,8' (default 1,2,4,...,128); a larger batch runs eagerly")
+
+    def __post_init__(self):
+        check_bool("compile", self.compile)
+        if not self.compile:
+            raise ValueError("compile must be True for the compiled engine, got False")
+        parse_buckets(self.compile_buckets)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return parse_buckets(self.compile_buckets)
+
+
+__all__ = ["CompileConfig", "DEFAULT_BUCKETS", "bucket_for", "parse_buckets"]

@@ -1,0 +1,27 @@
+"""Rung 14's engine: rung 3's engine with a runner whose decode steps run compiled
+(notebook 14_compiled). One seam: ``make_runner`` returns a ``CompiledRunner`` (runner.py);
+the scheduler, the pool, sampling and the commit point are rung 3's, so every option of
+``paged`` (n > 1, beams, preemption, ``kv_cache_dtype``, ``quantization``) works unchanged --
+a step the graph does not cover runs eagerly."""
+from __future__ import annotations
+
+from ...core.engine import PagedEngine
+from .config import CompileConfig
+from .runner import CompiledRunner
+
+
+class CompiledEngine(PagedEngine):
+    name = "compiled"
+    configs = PagedEngine.configs + (CompileConfig,)
+
+    def make_runner(self, num_blocks: int, block_size: int, backend) -> CompiledRunner:
+        return CompiledRunner(self.model, num_blocks, block_size, backend,
+                              buckets=self.compile_config.buckets,
+                              linear_kernel=self.linear_kernel(), kv_format=self.kv_format,
+                              ops=self.layer_ops())
+
+    def describe(self) -> dict:
+        return {**super().describe(), **self.runner.describe()}
+
+
+__all__ = ["CompiledEngine"]

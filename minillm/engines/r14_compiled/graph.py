@@ -1,0 +1,95 @@
+"""The decode forward as one ``nn.Module`` of plain tensor ops: what ``torch.compile`` traces.
+
+The same math as ``PagedLlama.forward_layers`` (core/model.py) for a step of one-token decodes,
+written for the compiler: the weights are the module's buffers (inputs of the graph, so one
+compiled graph serves any weights of these shapes and inductor's disk cache can hold it); RMSNorm, RoPE and SiLU are torch ops (``EagerOps``), which inductor fuses into
+C++ loops of its own -- rung 4 wrote those loops by hand (``layers/csrc/fused_ops.cpp``); the
+attention is the one custom op (ops.py). The logits of every row come out in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...layers.fused import EagerOps
+from ...layers.linear import Linear
+from ...layers.quant import Int8Linear, int8_path
+from . import ops  # noqa: F401  (registers torch.ops.minillm.decode_attention)
+
+
+class GraphLinear(nn.Module):
+    """One ``Linear`` in the graph. A kernel the compiler can trace computes it inline on the
+    layer's tensors, held as buffers (``torch``, rung 14's ``int8`` / ``w8a8``); oneDNN's packed
+    copy is opaque to the tracer, so an ``onednn`` layer is the ``packed_linear`` op, which finds
+    the layer by its index in ``linears`` (the step's context carries that list, ops.py)."""
+
+    def __init__(self, lin: Linear, linears: list):
+        super().__init__()
+        self.index, self.out_features = None, lin.out_features
+        if lin.kernel.name == "onednn":
+            self.index = len(linears)
+            linears.append(lin)
+            return
+        self.kernel = lin.kernel
+        if isinstance(self.kernel, Int8Linear) and self.kernel.path is None:
+            # decided here, not in the traced call (a question to torch the tracer would skip)
+            self.kernel = Int8Linear(int8_path(lin.weight.device))
+        packed = lin.packed
+        self.parts = len(packed) if isinstance(packed, tuple) else 0
+        for i, t in enumerate(packed if self.parts else (packed,)):
+            self.register_buffer(f"p{i}", t, persistent=False)
+        self.register_buffer("bias", lin.bias, persistent=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.index is not None:
+            return torch.ops.minillm.packed_linear(x, residual, self.index, self.out_features)
+        packed = tuple(getattr(self, f"p{i}") for i in range(self.parts)) if self.parts else \
+            self.p0
+        return self.kernel(x, packed, self.bias, residual)
+
+
+class DecodeGraph(nn.Module):
+    """``forward(ids [B], positions [B]) -> logits [B, vocab]`` (fp32) over ``net``'s weights;
+    the K/V pool is reached by the attention op through the step's context (ops.py)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.eps = net.eps
+        self.linears: list[Linear] = []     # the packed ones, for the step's context (ops.py)
+        for name in ("embed", "final_norm", "cos", "sin"):
+            self.register_buffer(name, getattr(net, name), persistent=False)
+        self.lm_head = GraphLinear(net.lm_head, self.linears)
+        self.layers = nn.ModuleList(DecodeLayer(w, i, net, self.linears)
+                                    for i, w in enumerate(net.layers))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(EagerOps.rms_norm(h, self.final_norm, self.eps)).float()
+
+
+class DecodeLayer(nn.Module):
+    def __init__(self, w, index: int, net, linears: list):
+        super().__init__()
+        self.index, self.eps = index, net.eps
+        self.H, self.KVH, self.D = net.num_heads, net.num_kv_heads, net.head_dim
+        self.register_buffer("input_norm", w.input_norm, persistent=False)
+        self.register_buffer("post_norm", w.post_norm, persistent=False)
+        self.qkv, self.o = GraphLinear(w.qkv, linears), GraphLinear(w.o, linears)
+        self.gate_up, self.down = GraphLinear(w.gate_up, linears), GraphLinear(w.down, linears)
+
+    def forward(self, h, cos, sin):
+        H, KVH, D = self.H, self.KVH, self.D
+        qkv = self.qkv(EagerOps.rms_norm(h, self.input_norm, self.eps))
+        q, k = EagerOps.rope(qkv, cos, sin, H, KVH)
+        v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
+        attn = torch.ops.minillm.decode_attention(q, k, v, self.index)
+        h = self.o(attn.reshape(-1, H * D), residual=h)
+        x = EagerOps.rms_norm(h, self.post_norm, self.eps)
+        return self.down(EagerOps.silu_mul(self.gate_up(x)), residual=h)
+
+
+__all__ = ["DecodeGraph", "GraphLinear"]

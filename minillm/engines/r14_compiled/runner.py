@@ -1,0 +1,100 @@
+"""``CompiledRunner``: rung 3's runner whose decode steps run compiled (notebook 14_compiled).
+
+A step of one-token decodes -- the step a running batch takes over and over -- is padded to its
+bucket (``bucket_for``: the smallest of ``compile_buckets`` that holds it) and run through
+``torch.compile(DecodeGraph)``: inductor's C++ backend on a CPU, one graph per bucket, compiled
+the first time that bucket is met (a progress line, then its time) and kept in inductor's
+on-disk cache (``use_disk_cache``), so the next process loads it instead. Padding rows
+are token 0 at position 0; their K/V are never written and their logits are dropped. Every
+other step -- prefill chunks, mixed steps, guesses (rung 6), prompt logprobs, a batch larger
+than every bucket -- runs eagerly, as rung 3's runner does.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from ...core.runner import ModelRunner
+from .config import bucket_for
+from .graph import DecodeGraph
+from .ops import StepContext, step_context
+
+
+def use_disk_cache() -> str:
+    """Inductor's on-disk caches, on: the FX graph cache (a graph seen before, in any process,
+    is loaded instead of lowered again) and its compiled C++, under ``$TORCHINDUCTOR_CACHE_DIR``
+    (default ``/tmp/torchinductor_$USER``). Returns the folder."""
+    from torch._inductor import config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    config.fx_graph_cache = True
+    return cache_dir()
+
+
+class CompiledRunner(ModelRunner):
+    def __init__(self, model, num_blocks: int, block_size: int, backend, *,
+                 buckets: tuple[int, ...], progress=None, **options):
+        super().__init__(model, num_blocks, block_size, backend, **options)
+        self.buckets = buckets
+        self.progress = progress if progress is not None else _stderr
+        self.cache = use_disk_cache()
+        # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, len(buckets) + 2)
+        self.graph = DecodeGraph(self.net)
+        # No ``freezing`` (weights as constants, fp32 ones packed for oneDNN): measured side by
+        # side it bought nothing at one row (9.6 vs 9.3 tok/s, SmolLM2, docs/rungs/14_compiled.md)
+        # while it made inductor skip its on-disk graph cache -- a second process compiled again
+        # for minutes instead of loading the graph in seconds.
+        self.compiled = torch.compile(self.graph, dynamic=False, fullgraph=True)
+        self.compile_s: dict[int, float] = {}     # bucket -> seconds its first call took
+        self.steps = {"compiled": 0, "eager": 0}
+
+    def compilable(self, scheduled) -> bool:
+        """A step of one-token decodes with no guesses and no prompt logprobs, that fits a
+        bucket: what the compiled graph computes."""
+        return (0 < len(scheduled) <= self.buckets[-1]
+                and all(n == 1 and not s.spec_token_ids and s.request.prompt_logprobs is None
+                        for s, n in scheduled))
+
+    @torch.inference_mode()
+    def run(self, scheduled):
+        if not self.compilable(scheduled):
+            self.steps["eager"] += 1
+            return super().run(scheduled)
+        self.steps["compiled"] += 1
+        ids, pos, meta, order, _ = self.prepare(scheduled)
+        rows = len(order)
+        bucket = bucket_for(rows, self.buckets)
+        pad = bucket - rows
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            pos = torch.cat([pos, pos.new_zeros(pad)])
+        ctx = StepContext(rows, self.pool.caches, self.backend, meta.slot_mapping,
+                          meta.decode_block_tables, meta.decode_context_lens, self.net.scale,
+                          self.graph.linears)
+        first = bucket not in self.compile_s
+        if first:
+            self.progress(f"compiling the decode step for batch {bucket} (buckets "
+                          f"{','.join(map(str, self.buckets))}; cache {self.cache}) ...")
+            start = time.perf_counter()
+        with step_context(ctx):
+            logits = self.compiled(ids, pos)
+        if first:
+            self.compile_s[bucket] = time.perf_counter() - start
+            self.progress(f"compiled batch {bucket} in {self.compile_s[bucket]:.1f} s")
+        return [s for s, _ in order], logits[:rows], []
+
+    def describe(self) -> dict:
+        return {"compile_buckets": ",".join(map(str, self.buckets)),
+                "compile_s": {b: round(s, 2) for b, s in self.compile_s.items()},
+                "compiled_steps": self.steps["compiled"], "eager_steps": self.steps["eager"]}
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+__all__ = ["CompiledRunner", "use_disk_cache"]
