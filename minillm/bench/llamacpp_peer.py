@@ -137,7 +137,7 @@ def llama_greedy_text(model: Path, prompt: str, new_tokens: int, threads: int) -
 
 # --- minillm's numbers, the same work -----------------------------------------------------------
 def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: int = 64,
-                   compile_buckets: str | None = None):
+                   compile_buckets: str | None = None, linear_backend: str | None = None):
     """The paged engine on SmolLM2 in ``dtype``; with ``compile_buckets`` rung 14's compiled
     engine, each bucket compiled here by a short warm-up (never inside a timed run)."""
     from ..engines import create_engine
@@ -148,6 +148,8 @@ def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: in
         options["quantization"] = quantization
     if compile_buckets:
         options.update(compile=True, compile_buckets=compile_buckets)
+    if linear_backend and not quantization:
+        options["linear_backend"] = linear_backend
     engine = create_engine("paged", load_model("smollm2-135m-instruct", dtype=dtype), **options)
     for b in (map(int, compile_buckets.split(",")) if compile_buckets else ()):
         minillm_batched(engine, b, 4, 2)          # a decode step of b rows: compiles bucket b
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default=None,
                     help="minillm's 8-bit weights against llama.cpp's q8_0 (e.g. int8)")
     ap.add_argument("--threads", type=int, default=None, help="default: minillm's torch threads")
+    ap.add_argument("--linear-backend", default=None,
+                    help="minillm's linear kernel for the unquantized rows (e.g. gemv, rung 14)")
     ap.add_argument("--compile", action="store_true",
                     help="minillm's compiled step (rung 14): one bucket per row count measured")
     ap.add_argument("--json", default="figures/bench_llamacpp.json")
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         work.append(("float32", "q8_0", args.quantization))
     for dtype, kind, quant in work:
         buckets = ",".join(map(str, sorted({1, *batches}))) if args.compile else None
-        gguf, engine = ensure_gguf(kind), minillm_engine(dtype, quant, compile_buckets=buckets)
+        gguf, engine = ensure_gguf(kind), minillm_engine(dtype, quant, compile_buckets=buckets,
+                                                         linear_backend=args.linear_backend)
         if kind == "f32":
             agree = greedy_agreement(engine, gguf, threads)
             print(f"greedy, f32: the same first {agree['same_chars']} characters of "
@@ -241,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     theirs.append(llama_batched(gguf, b, args.prompt, args.new_tokens, threads))
                     ours.append(minillm_batched(engine, b, args.prompt, args.new_tokens))
-            name = f"{dtype}{'+' + quant if quant else ''}{'+compiled' if buckets else ''}"
+            kernel = quant or args.linear_backend
+            name = f"{dtype}{'+' + kernel if kernel else ''}{'+compiled' if buckets else ''}"
             row = {"work": label, "minillm": name,
                    "llama.cpp": kind, "minillm_tok_s": max(ours), "llamacpp_tok_s": max(theirs),
                    "ratio": max(ours) / max(theirs), "threads": threads}

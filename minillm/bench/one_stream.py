@@ -20,6 +20,8 @@ VARIANTS = {
     "compiled": {"compile": True, "compile_buckets": "1"},
     "int8": {"quantization": "int8"},
     "compiled+int8": {"compile": True, "compile_buckets": "1", "quantization": "int8"},
+    "gemv": {"linear_backend": "gemv"},
+    "compiled+gemv": {"compile": True, "compile_buckets": "1", "linear_backend": "gemv"},
 }
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -74,7 +76,8 @@ def product_times(out_features: int = 1536, in_features: int = 576, copies: int 
     best of ``repeats`` passes over ``copies`` different weights (so they come from memory, as
     in a step, not from cache), by each way the engine can compute it: ``F.linear`` (BLAS on
     the plain weight, what inductor's ``mm`` calls), oneDNN on its packed copy (the eager
-    engine's ``onednn`` kernel, and rung 14's ``packed_linear``), and int8 ``dequant``."""
+    engine's ``onednn`` kernel, and rung 14's ``packed_linear``), int8 ``dequant``, and rung 14's
+    streamed kernel (``layers/gemv.py``) on fp32 and int8 weights."""
     import torch
     import torch.nn.functional as F
 
@@ -89,6 +92,10 @@ def product_times(out_features: int = 1536, in_features: int = 576, copies: int 
         ways["onednn packed"] = (k.pack, lambda p: k(x, p))
     q = Int8Linear("dequant")
     ways["int8 dequant"] = (q.pack, lambda p: q(x, p))
+    from ..layers import gemv
+    if gemv.load() is not None:
+        ways["gemv fp32"] = (lambda w: w, lambda p: gemv.gemv(x, p))
+        ways["gemv int8"] = (q.pack, lambda p: gemv.gemv(x, p[0], p[1]))
     out = {}
     for name, (pack, call) in ways.items():
         packed = [pack(w) for w in weights]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..runtime.config import option
 
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
-LINEAR_BACKENDS = ("torch", "onednn")
+LINEAR_BACKENDS = ("torch", "onednn", "gemv")
 LAYER_OPS = ("fused", "eager")
 QUANTIZATIONS = ("int8", "w8a8")     # rung 14's weight formats (layers/quant.py)
 
@@ -22,8 +22,9 @@ class ModelConfig:
         None, "paged: attention backend, torch, cpp or triton (default: triton on CUDA, cpp on "
               "CPU where a C++ compiler builds it, else torch)", aliases=("--attention",))
     linear_backend: str | None = option(
-        None, "paged: linear-layer kernel, torch (F.linear) or onednn (weights reordered once; "
-              "default for fp32 on the CPU where it works, else torch)")
+        None, "paged: linear-layer kernel, torch (F.linear), onednn (weights reordered once; "
+              "default for fp32 on the CPU where it works, else torch) or gemv (rung 14: up to "
+              "8 fp32 rows streamed by layers/gemv.py, more rows by the default)")
     layer_ops: str | None = option(
         None, "paged: a layer's RMSNorm, RoPE and SiLU, fused (one C++ pass each: the default for "
               "fp32/bf16/fp16 on the CPU where it builds) or eager (torch ops: the reference)")

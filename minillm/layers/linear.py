@@ -35,6 +35,7 @@ ROWS_HINT = 128
 
 class TorchLinear:
     name = "torch"
+    traceable = True    # plain torch ops: a compiled graph inlines them (rung 14)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -48,6 +49,7 @@ class OneDNNLinear:
     """oneDNN's GEMM (fp32 or bf16) on weights reordered once (CPU only)."""
 
     name = "onednn"
+    traceable = False   # its packed copy is opaque: a compiled graph calls it as a custom op
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         # an opaque tensor: same shape, oneDNN's memory layout, no storage Python can read
@@ -126,7 +128,7 @@ def onednn_works(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
-    """``torch`` or ``onednn``. By default onednn for fp32 and bf16 on the CPU where it works,
+    """``torch``, ``onednn`` or ``gemv`` (rung 14, layers/gemv.py). By default onednn for fp32 and bf16 on the CPU where it works,
     torch otherwise (a GPU's cuBLAS needs no help; fp16 on a CPU stays on torch's path). Asking
     for onednn where it cannot run warns once and uses torch: same tokens, slower. ``int8`` and
     ``w8a8`` are rung 14's kernels on int8 weights (quant.py), named by
@@ -144,9 +146,16 @@ def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
                       f"{dtype}, oneDNN {'works' if onednn_works() else 'unavailable'}): using "
                       f"torch's F.linear", RuntimeWarning, stacklevel=2)
         return TorchLinear()
+    if name == "gemv":
+        from .gemv import GemvLinear
+        return GemvLinear(OneDNNLinear() if fits else TorchLinear())
+    if name == "int8":
+        from .gemv import int8_kernel
+        return int8_kernel(device)
     if name in QUANTIZATIONS:
         return get_quantized_kernel(name, device)
-    raise ValueError(f"unknown linear_backend {name!r}: choose 'torch' or 'onednn'")
+    raise ValueError(f"unknown linear_backend {name!r}: choose "
+                     f"{' or '.join(map(repr, LINEAR_BACKENDS))}")
 
 
 __all__ = ["LINEAR_BACKENDS", "Linear", "OneDNNLinear", "TorchLinear", "get_linear_kernel",

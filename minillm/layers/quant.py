@@ -18,8 +18,9 @@ bf16, 135 MB in int8. ``quantization`` (``ModelConfig``) names one of two kernel
 How the weight-only product is computed depends on the CPU (measured, docs/rungs/14_compiled.md):
 ``torch.ops.aten._weight_int8pack_mm`` (what gpt-fast calls) has an AVX-512 kernel; on a CPU
 with AVX2 only its fallback was 10-90x slower than fp32 ``F.linear``, so there the int8 weight is
-widened to the activations' dtype inside the call (``dequant``) and multiplied by BLAS -- slower
-than the plain weight (an extra pass over it), but exact to the same product.
+widened to the activations' dtype inside the call (``dequant``) and multiplied by BLAS -- an
+extra pass over it, but exact to the same product. There, decode rows (up to 8) go to rung 14's
+streamed kernel instead (``layers/gemv.py``: one byte per weight read, widened in registers).
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class Int8Linear:
     """Weight-only int8 with per-output-channel scales (``quantization="int8"``)."""
 
     name = "int8"
+    traceable = True
 
     def __init__(self, path: str | None = None):
         if path not in (None, "int8pack", "dequant"):
@@ -107,6 +109,7 @@ class W8A8Linear:
     (``torch._int_mm``, oneDNN's int8 GEMM on the CPU) (``quantization="w8a8"``)."""
 
     name = "w8a8"
+    traceable = True
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize_per_channel(weight)

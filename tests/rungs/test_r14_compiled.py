@@ -123,3 +123,16 @@ def test_smollm2_int8_greedy_agrees_with_fp32(smol):
 # must keep: measured 194/256 = 0.76 on the AVX2 lab host (dequant path); a flip at a near-tie
 # ends a prompt's run early, so the bound leaves room for another CPU's rounding
 MIN_PREFIX_SHARE = 0.6
+
+
+@pytest.mark.slow
+def test_compiled_int8_equals_eager_int8(tiny):
+    """int8 weights in the compiled step: where the streamed kernel computes them
+    (layers/gemv.py, opaque to the tracer) they are packed_linear ops, elsewhere traced torch
+    ops; either way the tokens are the eager int8 engine's."""
+    kw = {"quantization": "int8", **TIGHT}
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS, **kw)
+    eager = LLM(tiny, engine="paged", **kw)
+    got, want = run_both((compiled, eager), random_prompts(3, seed=4, lo=3, hi=12),
+                         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert got == want and compiled.engine.runner.steps["compiled"] > 0

@@ -20,14 +20,15 @@ from . import ops  # noqa: F401  (registers torch.ops.minillm.decode_attention)
 
 class GraphLinear(nn.Module):
     """One ``Linear`` in the graph. A kernel the compiler can trace computes it inline on the
-    layer's tensors, held as buffers (``torch``, rung 14's ``int8`` / ``w8a8``); oneDNN's packed
-    copy is opaque to the tracer, so an ``onednn`` layer is the ``packed_linear`` op, which finds
-    the layer by its index in ``linears`` (the step's context carries that list, ops.py)."""
+    layer's tensors, held as buffers (``torch``, ``int8``'s torch paths, ``w8a8``); one it cannot
+    (``traceable = False``: oneDNN's opaque packed copy, the C++ ``gemv`` kernels) is the
+    ``packed_linear`` op, which finds the layer by its index in ``linears`` (the step's context
+    carries that list, ops.py)."""
 
     def __init__(self, lin: Linear, linears: list):
         super().__init__()
         self.index, self.out_features = None, lin.out_features
-        if lin.kernel.name == "onednn":
+        if not lin.kernel.traceable:
             self.index = len(linears)
             linears.append(lin)
             return

@@ -284,21 +284,20 @@ def passage() -> list[int]:
 
 
 def probe_int8_logprobs() -> torch.Tensor:
-    """The passage through the tiny model (fp32) as one prefill, its linear layers on
-    ``quantization="int8"``'s kernel: log-probabilities [len, vocab]. Torch attention and eager
-    layer ops: nothing to compile in the student's process (a fresh home: a C++ extension would
-    be built there from scratch, minutes)."""
+    """The passage through the tiny model (fp32) as one prefill, its linear layers on your
+    ``Int8Linear`` (what ``quantization="int8"`` runs; where it would pick the C++ decode-row
+    kernel, layers/gemv.py, a prefill of the passage goes to your paths anyway): log-probabilities
+    [len, vocab]. Torch attention and eager layer ops: nothing to compile in the student's
+    process (a fresh home: a C++ extension would be built there from scratch, minutes)."""
     from minillm.core.runner import ModelRunner, pad_tables
     from minillm.layers.attention.reference import AttentionMetadata, TorchAttention
-    from minillm.layers.config import ModelConfig
     from minillm.layers.fused import EagerOps
-    from minillm.layers.linear import get_linear_kernel
+    from minillm.layers.quant import Int8Linear
     from minillm.lab.reference import tiny_model
 
     model, ids, bs = tiny_model(), passage(), 16
     n, nblocks = len(ids), -(-len(ids) // bs)
-    kernel = get_linear_kernel(ModelConfig(quantization="int8").linear_backend, model.device,
-                               model.dtype)
+    kernel = Int8Linear()
     runner = ModelRunner(model, nblocks, bs, TorchAttention(), linear_kernel=kernel,
                          ops=EagerOps())
     meta = AttentionMetadata(

@@ -1,0 +1,103 @@
+// A few rows times a weight matrix, streamed once (rung 14, notebook 14).
+//
+// At one decode row a linear layer reads every weight once and does two FLOPs per weight: its
+// time is the weight's bytes over the memory's bandwidth, if the kernel keeps the memory busy.
+// BLAS and oneDNN are built for many rows (tiles of W reused across rows of x); at one row they
+// reached 7-9 GB/s of weight on the lab CPU where a copy streams ~14 (docs/rungs/14_compiled.md).
+// This loop reads each row of W once, for every row of x together (W's row stays in L1 while
+// the x rows pass over it), with four independent accumulators so the FMAs do not wait on one
+// another. An int8 W is widened eight weights at a time in registers and its row's scale
+// applied to the sum: the memory moves one byte per weight, never the widened copy.
+// Output rows are split across torch's threads (at::parallel_for), a block of rows each.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+static inline __m256 load8(const int8_t* w) {   // eight int8 weights, widened to fp32 lanes
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <typename T>
+static inline float dot(const T* w, const float* x, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
+    a1 = _mm256_fmadd_ps(load8(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(w + i), _mm256_loadu_ps(x + i), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s += float(w[i]) * x[i];
+  return s;
+}
+#else
+template <typename T>
+static inline float dot(const T* w, const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += float(w[i]) * x[i];
+  return s;
+}
+#endif
+
+// y [R, O] = x [R, I] @ W[O, I].T (* scale[O]) (+ bias[O]) (+ residual[R, O]), all fp32 but W.
+template <typename T>
+static void run(const float* x, const T* w, const float* scale, const float* bias,
+                const float* residual, float* y, int64_t R, int64_t I, int64_t O) {
+  const int64_t grain = 16;
+  at::parallel_for(0, O, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const T* row = w + o * I;
+      const float s = scale ? scale[o] : 1.f, b = bias ? bias[o] : 0.f;
+      for (int64_t r = 0; r < R; ++r) {
+        float v = dot(row, x + r * I, I) * s + b;
+        y[r * O + o] = residual ? residual[r * O + o] + v : v;
+      }
+    }
+  });
+}
+
+static const float* opt(const c10::optional<torch::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
+              name, ": a contiguous fp32 tensor of ", n, " numbers");
+  return t->data_ptr<float>();
+}
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
+                   c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [rows, in] fp32");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "w: [out, in] matching x");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kInt8,
+              "w: fp32 or int8");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t R = x.size(0), I = x.size(1), O = w.size(0);
+  auto y = torch::empty({R, O}, x.options());
+  const float* s = opt(scale, O, "scale");
+  const float* b = opt(bias, O, "bias");
+  const float* res = opt(residual, R * O, "residual");
+  if (w.scalar_type() == torch::kInt8)
+    run(x.data_ptr<float>(), w.data_ptr<int8_t>(), s, b, res, y.data_ptr<float>(), R, I, O);
+  else
+    run(x.data_ptr<float>(), w.data_ptr<float>(), s, b, res, y.data_ptr<float>(), R, I, O);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv, "y = x @ w.T (* scale) (+ bias) (+ residual), fp32 or int8 w",
+        py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::arg("bias") = py::none(),
+        py::arg("residual") = py::none());
+}

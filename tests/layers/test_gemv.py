@@ -1,0 +1,113 @@
+"""Rung 14's streamed one-row product (layers/gemv.py, csrc/gemv.cpp): against F.linear on fp32
+and on widened int8 weights, at 1..8 rows (the kernel) and past them (the kernel it extends, the
+same numbers bit for bit); in the engine, fp32 tokens against Hugging Face's and int8 decodes
+against the widen-then-BLAS path. Skipped where the extension cannot build (no compiler)."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_greedy_match, hf_greedy, random_prompts
+from minillm import LLM, SamplingParams
+from minillm.layers import gemv
+from minillm.layers.linear import Linear, OneDNNLinear, TorchLinear, get_linear_kernel
+from minillm.layers.quant import Int8Linear, int8_path, quantize_per_channel
+
+pytestmark = pytest.mark.skipif(gemv.load() is None, reason=f"no gemv kernel: {gemv.error()}")
+
+
+def case(rows, out, inp, seed=0):
+    g = torch.Generator().manual_seed(seed + rows * 7 + out)
+    return (torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g),
+            torch.randn(out, generator=g), torch.randn(rows, out, generator=g))
+
+
+# sizes with the 32-, 8- and 1-wide tails of the inner loop, and SmolLM2's shapes
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out,inp", [(7, 37), (96, 40), (1536, 576), (576, 1536)])
+def test_fp32_and_int8_products_against_f_linear(rows, out, inp):
+    x, w, b, r = case(rows, out, inp)
+    torch.testing.assert_close(gemv.gemv(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv.gemv(x, w, None, b, r), F.linear(x, w, b) + r,
+                               rtol=1e-4, atol=1e-4)
+    q, s = quantize_per_channel(w)
+    want = F.linear(x, q.float()) * s + b + r
+    torch.testing.assert_close(gemv.gemv(x, q, s, b, r), want, rtol=1e-4, atol=1e-4)
+
+
+def test_leading_dimensions_and_a_strided_residual_come_back():
+    x, w, b, r = case(4, 24, 40)
+    x3 = x.view(2, 2, 40)
+    res = torch.randn(24, 4).t()          # [4, 24], not contiguous
+    y = gemv.gemv(x3, w, None, b, res.reshape(2, 2, 24))
+    assert y.shape == (2, 2, 24)
+    torch.testing.assert_close(y.view(4, 24), F.linear(x, w, b) + res, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_are_refused_by_name():
+    x, w, _, _ = case(2, 8, 16)
+    with pytest.raises(RuntimeError, match="w: \\[out, in\\] matching x"):
+        gemv.gemv(x, torch.randn(8, 15))
+    with pytest.raises(RuntimeError, match="fp32 or int8"):
+        gemv.gemv(x, w.half())
+    with pytest.raises(RuntimeError, match="scale"):
+        gemv.gemv(x, w.to(torch.int8), torch.ones(7))
+
+
+@pytest.mark.parametrize("base", [OneDNNLinear, TorchLinear])
+def test_fp32_kernel_streams_few_rows_and_hands_more_to_its_base(base):
+    if base is OneDNNLinear and get_linear_kernel(None, "cpu", torch.float32).name != "onednn":
+        pytest.skip("oneDNN does not run here")
+    _, w, b, _ = case(1, 48, 64)
+    lin = Linear(w, b, gemv.GemvLinear(base()))
+    ref = Linear(w, b, base())
+    for rows in (1, 8, 9, 33):
+        x, _, _, r = case(rows, 48, 64, seed=rows)
+        got = lin(x, residual=r)
+        if rows > gemv.MAX_ROWS:      # the base computes it: the same numbers exactly
+            torch.testing.assert_close(got, ref(x, residual=r), rtol=0, atol=0)
+        torch.testing.assert_close(got, F.linear(x, w, b) + r, rtol=1e-4, atol=1e-4)
+    assert pickle.loads(pickle.dumps(lin))(x).shape == (33, 48)
+
+
+def test_int8_picks_the_streamed_kernel_where_torch_has_no_fast_int8_product():
+    kernel = get_linear_kernel("int8", "cpu", torch.float32)
+    if int8_path("cpu") == "dequant":
+        assert isinstance(kernel, gemv.Int8GemvLinear) and not kernel.traceable
+    else:
+        assert type(kernel) is Int8Linear
+    _, w, b, _ = case(1, 40, 72)
+    lin = Linear(w, b, gemv.Int8GemvLinear())
+    for rows in (1, 8, 20):
+        x, _, _, r = case(rows, 40, 72, seed=rows)
+        want = Linear(w, b, Int8Linear("dequant"))(x, residual=r)
+        torch.testing.assert_close(lin(x, residual=r), want, rtol=1e-4, atol=1e-4)
+    bf = torch.randn(3, 72).bfloat16()      # not fp32: Int8Linear's own paths
+    assert Linear(w.bfloat16(), None, gemv.Int8GemvLinear())(bf).dtype == torch.bfloat16
+
+
+def test_engine_on_gemv_matches_hugging_face(tiny):
+    prompts = random_prompts(4, seed=5)
+    llm = LLM(tiny, engine="paged", linear_backend="gemv", max_num_seqs=4)
+    assert llm.engine.runner.net.linear_kernel.name == "gemv"
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    for i, out in enumerate(llm.generate(prompts, params, progress=False)):
+        assert_greedy_match(out.token_ids, hf_greedy(tiny, prompts[i], 12), label=f"gemv {i}")
+
+
+def test_engine_int8_decodes_like_the_widening_path(tiny, monkeypatch):
+    """Decode rows through the streamed kernel, prefill through Int8Linear: the same tokens as
+    an engine whose int8 layers all widen (summation order apart: first tokens agree)."""
+    prompts = random_prompts(6, seed=9)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)
+    fast = LLM(tiny, engine="paged", block_size=4, quantization="int8")
+    got = [o.token_ids for o in fast.generate(prompts, params, progress=False)]
+    monkeypatch.setattr(gemv, "int8_kernel", lambda device: Int8Linear("dequant"))
+    slow = LLM(tiny, engine="paged", block_size=4, quantization="int8")
+    want = [o.token_ids for o in slow.generate(prompts, params, progress=False)]
+    prefix = sum(next((i for i, (a, c) in enumerate(zip(g, h)) if a != c), len(g))
+                 for g, h in zip(got, want))
+    assert prefix >= 0.9 * sum(map(len, want)), (got, want)
