@@ -17,7 +17,8 @@ import gc
 import json
 from pathlib import Path
 
-from .kv_accuracy import PASSAGE, agreement, greedy_outputs, kl_and_perplexity, passage_logprobs
+from .kv_accuracy import (PASSAGE, accuracy_text, agreement, greedy_outputs, kl_and_perplexity,
+                          passage_logprobs)
 
 
 def measure(name: str, dtypes=("bfloat16",), num_prompts: int = 32, max_tokens: int = 64,
@@ -46,10 +47,7 @@ def measure(name: str, dtypes=("bfloat16",), num_prompts: int = 32, max_tokens: 
 
 
 def format_row(r: dict) -> str:
-    first = r["first_divergence_mean"]
-    return (f"{r['dtype']:9s} identical {100 * r['identical_share']:5.1f}%  first divergence "
-            f"{'-' if first is None else f'{first:.1f}':>5s}  KL {r['kl_mean']:.2e}  "
-            f"perplexity {r['perplexity']:.3f}")
+    return f"{r['dtype']:9s} {accuracy_text(r)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,12 +120,17 @@ def measure(model, dtypes=KV_CACHE_DTYPES, num_prompts: int = 32, max_tokens: in
     return rows
 
 
-def format_row(r: dict) -> str:
+def accuracy_text(r: dict) -> str:
+    """The accuracy columns every format's row prints (KV formats here, dtypes and weight
+    formats in dtype_accuracy.py and quant_accuracy.py)."""
     first = r["first_divergence_mean"]
-    return (f"{r['kv_cache_dtype']:9s} {r['bytes_per_token']:6d} B/token  "
-            f"identical {100 * r['identical_share']:5.1f}%  first divergence "
+    return (f"identical {100 * r['identical_share']:5.1f}%  first divergence "
             f"{'-' if first is None else f'{first:.1f}':>5s}  KL {r['kl_mean']:.2e}  "
             f"perplexity {r['perplexity']:.3f}")
+
+
+def format_row(r: dict) -> str:
+    return f"{r['kv_cache_dtype']:9s} {r['bytes_per_token']:6d} B/token  {accuracy_text(r)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from ..layers.attention import get_attention_backend
 from ..layers.attention.reference import AttentionMetadata
 from ..layers.config import ModelConfig, QUANTIZATIONS
 from ..layers.linear import get_linear_kernel
-from .kv_accuracy import PASSAGE, agreement, greedy_outputs, kl_and_perplexity
+from .kv_accuracy import PASSAGE, accuracy_text, agreement, greedy_outputs, kl_and_perplexity
 
 BLOCK_SIZE = 16
 
@@ -81,11 +81,7 @@ def measure(model, quantizations=("int8",), num_prompts: int = 32, max_tokens: i
 
 
 def format_row(r: dict) -> str:
-    first = r["first_divergence_mean"]
-    return (f"{r['weights']:8s} {r['weight_bytes'] / 1e6:7.1f} MB  identical "
-            f"{100 * r['identical_share']:5.1f}%  first divergence "
-            f"{'-' if first is None else f'{first:.1f}':>5s}  KL {r['kl_mean']:.2e}  "
-            f"perplexity {r['perplexity']:.3f}")
+    return f"{r['weights']:8s} {r['weight_bytes'] / 1e6:7.1f} MB  {accuracy_text(r)}"
 
 
 def main(argv: list[str] | None = None) -> int:

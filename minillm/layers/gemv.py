@@ -34,13 +34,19 @@ def error() -> str | None:
     return _state.get("error")
 
 
+def _module():
+    """The built module without ``load``'s lock once it is loaded: this is on every product of
+    the decode loop."""
+    return _state["module"] if "module" in _state else load()
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, bias=None, residual=None):
     """``x @ weight.T`` (``* scale`` per output row) ``+ bias + residual`` for x [..., in] fp32 and
     an fp32 or int8 weight [out, in]: the kernel's call with shapes and layouts made right."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     res = None if residual is None else residual.reshape(flat.shape[0], -1).float().contiguous()
-    y = load().gemv(flat.contiguous(), weight,
+    y = _module().gemv(flat.contiguous(), weight,
                     None if scale is None else scale.float().contiguous(),
                     None if bias is None else bias.float().contiguous(), res)
     return y.view(*lead, weight.shape[0])
@@ -49,7 +55,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, bias=None, residual=
 def fits(x: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= MAX_ROWS
-            and load() is not None)
+            and _module() is not None)
 
 
 class GemvLinear:
