@@ -189,7 +189,7 @@ EXERCISES: dict[str, Exercise] = {e.id: e for e in [
              "s [out]). The product y = (x @ q.T) * s: s multiplies y's output columns, after "
              "the sum; then + bias, then residual + y. On the 'dequant' path widen q to x's "
              "dtype (q.to(x.dtype)) and let F.linear multiply; on 'int8pack' (self.path, or "
-             "int8_path(x.device) when it is None; fp32, bf16 or fp16 x only) call "
+             "int8_path(x.device, x.dtype, rows) when it is None; fp32, bf16 or fp16 x only) call "
              "torch.ops.aten._weight_int8pack_mm(x2d, q, s) on x flattened to 2-D and give the "
              "result x's leading dimensions back."),
     Exercise("14-buckets", "A compiled step: the bucket a batch is padded to",

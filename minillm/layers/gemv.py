@@ -17,11 +17,22 @@ from pathlib import Path
 import torch
 
 from .attention.cpp import load_extension
-from .quant import Int8Linear, int8_path
+from .quant import Int8Linear
 
 _SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 _state: dict = {}
 MAX_ROWS = 8        # decode batches up to this many rows take the streamed product
+
+# torch.ops.minillm.gemv: declared here, computed by the C++ source once it is loaded (its
+# TORCH_LIBRARY_IMPL). As an operator it is one node of a compiled graph, called from the
+# generated code with no Python of ours around it (rung 14's graph.py).
+torch.library.define("minillm::gemv", "(Tensor x, Tensor w, Tensor? scale, Tensor? bias, "
+                     "Tensor? residual) -> Tensor")
+
+
+@torch.library.register_fake("minillm::gemv")
+def _(x, w, scale, bias, residual):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def load():
@@ -46,9 +57,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, bias=None, residual=
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     res = None if residual is None else residual.reshape(flat.shape[0], -1).float().contiguous()
-    y = _module().gemv(flat.contiguous(), weight,
-                    None if scale is None else scale.float().contiguous(),
-                    None if bias is None else bias.float().contiguous(), res)
+    y = torch.ops.minillm.gemv(flat.contiguous(), weight,
+                               None if scale is None else scale.float().contiguous(),
+                               None if bias is None else bias.float().contiguous(), res)
     return y.view(*lead, weight.shape[0])
 
 
@@ -58,18 +69,36 @@ def fits(x: torch.Tensor) -> bool:
             and _module() is not None)
 
 
-class GemvLinear:
+class StreamedLinear:
+    """A kernel whose few-row products are ``minillm::gemv`` on plain tensors (``stream``) and
+    whose other products are its own. A compiled graph (rung 14, graph.py) holds the plain
+    tensors as buffers and calls the operator inline for its buckets of up to ``MAX_ROWS``."""
+
+    traceable = False       # its many-row path may be opaque: the graph asks ``stream`` first
+
+    def stream_tensors(self, packed) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, per-row scale or None): what ``minillm::gemv`` reads."""
+        raise NotImplementedError
+
+    def stream(self, x, tensors, bias=None, residual=None):
+        weight, scale = tensors
+        return gemv(x, weight, scale, bias, residual)
+
+
+class GemvLinear(StreamedLinear):
     """fp32 weights (``linear_backend="gemv"``): up to ``MAX_ROWS`` rows streamed by the kernel,
     more rows by ``base`` (oneDNN on its packed copy where it works, else ``F.linear``)."""
 
     name = "gemv"
-    traceable = False       # a compiled graph calls it as a custom op (r14_compiled/ops.py)
 
     def __init__(self, base):
         self.base = base
 
     def pack(self, weight: torch.Tensor):
         return weight.contiguous(), self.base.pack(weight)
+
+    def stream_tensors(self, packed):
+        return packed[0], None
 
     def __call__(self, x, packed, bias=None, residual=None):
         plain, based = packed
@@ -78,30 +107,31 @@ class GemvLinear:
         return self.base(x, based, bias, residual)
 
 
-class Int8GemvLinear(Int8Linear):
-    """int8 weights (``quantization="int8"`` where the kernel builds and torch has no AVX-512
-    int8 product): up to ``MAX_ROWS`` fp32 rows read the int8 weight directly; otherwise
-    ``Int8Linear``'s own paths."""
+class Int8GemvLinear(Int8Linear, StreamedLinear):
+    """int8 weights (``quantization="int8"`` where the kernel builds): up to ``MAX_ROWS`` fp32
+    rows read the int8 weight directly; otherwise ``Int8Linear``'s own paths."""
 
     name = "int8"
     traceable = False
 
+    def stream_tensors(self, packed):
+        q, scale = packed
+        return q, scale
+
     def __call__(self, x, packed, bias=None, residual=None):
         if fits(x):
-            q, scale = packed
-            return gemv(x, q, scale, bias, residual)
+            return self.stream(x, self.stream_tensors(packed), bias, residual)
         return super().__call__(x, packed, bias, residual)
 
 
 def int8_kernel(device) -> Int8Linear:
-    """``quantization="int8"``'s kernel. Where torch has no fast int8 product (a CPU without
-    AVX-512: ``int8_path`` says ``dequant``) and this kernel builds, decode rows come here
-    straight from the int8 weight: measured, far faster than widening it (docs/rungs/
-    14_compiled.md)."""
-    if torch.device(device).type == "cpu" and int8_path(device) == "dequant" and load() is not None:
+    """``quantization="int8"``'s kernel. On a CPU where this kernel builds, decode rows come here
+    straight from the int8 weight: measured faster than widening it (AVX2 host) and than
+    torch's AVX-512 ``_weight_int8pack_mm`` (AVX-512 host), docs/rungs/14_compiled.md."""
+    if torch.device(device).type == "cpu" and load() is not None:
         return Int8GemvLinear()
     return Int8Linear()
 
 
-__all__ = ["GemvLinear", "Int8GemvLinear", "MAX_ROWS", "error", "fits", "gemv", "int8_kernel",
+__all__ = ["GemvLinear", "Int8GemvLinear", "MAX_ROWS", "StreamedLinear", "error", "fits", "gemv", "int8_kernel",
            "load"]

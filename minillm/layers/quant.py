@@ -15,12 +15,13 @@ bf16, 135 MB in int8. ``quantization`` (``ModelConfig``) names one of two kernel
   where the CPU multiplies int8 in hardware (VNNI's ``vpdpbusd`` or AMX-INT8); elsewhere it is
   refused with one line naming what is missing.
 
-How the weight-only product is computed depends on the CPU (measured, docs/rungs/14_compiled.md):
-``torch.ops.aten._weight_int8pack_mm`` (what gpt-fast calls) has an AVX-512 kernel; on a CPU
-with AVX2 only its fallback was 10-90x slower than fp32 ``F.linear``, so there the int8 weight is
-widened to the activations' dtype inside the call (``dequant``) and multiplied by BLAS -- an
-extra pass over it, but exact to the same product. There, decode rows (up to 8) go to rung 14's
-streamed kernel instead (``layers/gemv.py``: one byte per weight read, widened in registers).
+How the weight-only product is computed depends on the CPU and the rows (measured,
+docs/rungs/14_compiled.md): ``torch.ops.aten._weight_int8pack_mm`` (what gpt-fast calls) has an
+AVX-512 kernel for a few bf16 rows; everywhere else (fp32 rows, many rows, a CPU with AVX2 only)
+the int8 weight is widened to the activations' dtype inside the call (``dequant``) and multiplied
+by BLAS -- an extra pass over it, but exact to the same product. Decode rows in fp32 (up to 8)
+go to rung 14's streamed kernel instead (``layers/gemv.py``: one byte per weight read, widened in
+registers).
 """
 from __future__ import annotations
 
@@ -67,12 +68,32 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def int8_path(device: torch.device | str = "cpu") -> str:
-    """``int8pack`` (``aten._weight_int8pack_mm``) where its fast kernel exists (a CPU with
-    AVX-512), ``dequant`` (widen, then BLAS) elsewhere: the faster one, as measured."""
-    if torch.device(device).type == "cpu" and "AVX512" in torch.backends.cpu.get_cpu_capability():
-        return "int8pack"
-    return "dequant"
+@functools.cache
+def has_int8pack_kernel() -> bool:
+    """torch's ``_weight_int8pack_mm`` has a fast CPU kernel here (AVX-512)."""
+    return "AVX512" in torch.backends.cpu.get_cpu_capability()
+
+
+INT8PACK_MAX_ROWS = 16      # past this, widening then BLAS won (measured, AVX-512 host)
+
+
+def int8_path(device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+              rows: int | None = None) -> str:
+    """``int8pack`` (``aten._weight_int8pack_mm``) or ``dequant`` (widen, then BLAS): the faster
+    one, as measured (docs/rungs/14_compiled.md). Without ``dtype``: whether the fast kernel
+    exists at all (a CPU with AVX-512). With it: on that host, int8pack for bf16 or fp16 rows,
+    up to ``INT8PACK_MAX_ROWS`` of them; fp32 rows took 10-35x longer on it than widening."""
+    if torch.device(device).type != "cpu" or not has_int8pack_kernel():
+        return "dequant"
+    return "int8pack" if dtype is None else int8_path_with_kernel(dtype, rows or 1)
+
+
+def int8_path_with_kernel(dtype: torch.dtype, rows: int) -> str:
+    """``int8_path`` where the fast kernel exists: a rule on the product alone, so a compiled
+    graph can apply it while tracing (asking torch for the CPU's capability there would not
+    trace)."""
+    fast = dtype in (torch.bfloat16, torch.float16) and rows <= INT8PACK_MAX_ROWS
+    return "int8pack" if fast else "dequant"
 
 
 class Int8Linear:
@@ -93,7 +114,7 @@ class Int8Linear:
 
     def __call__(self, x, packed, bias=None, residual=None):
         q, scale = packed
-        path = self.path or int8_path(x.device)
+        path = self.path or int8_path(x.device, x.dtype, x.numel() // max(x.shape[-1], 1))
         if path == "int8pack" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q,
                                                    scale).view(*x.shape[:-1], q.shape[0])
@@ -139,10 +160,12 @@ def w8a8_missing(device: torch.device | str = "cpu") -> str | None:
                 f"or AMX-INT8); this CPU has none (torch sees "
                 f"{torch.backends.cpu.get_cpu_capability()}): use quantization='int8'")
     try:
+        # the integer product is exact or wrong: compare it with int64 sums, not with fp32's
+        # (the quantization's own error is rung 14's accuracy table, not a fault of the CPU)
         g = torch.Generator().manual_seed(0)
-        w, x = torch.randn(24, 64, generator=g), torch.randn(5, 64, generator=g)
-        k = W8A8Linear()
-        if not torch.allclose(k(x, k.pack(w)), F.linear(x, w), atol=0.1, rtol=0.1):
+        xq = torch.randint(-127, 128, (5, 64), generator=g, dtype=torch.int8)
+        wq = torch.randint(-127, 128, (24, 64), generator=g, dtype=torch.int8)
+        if not torch.equal(torch._int_mm(xq, wq.t()).long(), xq.long() @ wq.long().t()):
             return "quantization='w8a8': torch._int_mm gave a wrong product on this CPU"
     except Exception as e:        # an op this build lacks: say which
         return f"quantization='w8a8': torch._int_mm failed here ({type(e).__name__}: {e})"
@@ -163,5 +186,6 @@ def get_quantized_kernel(name: str, device):
 
 
 __all__ = ["Int8Linear", "QMAX", "QUANTIZATIONS", "W8A8Linear", "dequantize_per_channel",
-           "get_quantized_kernel", "int8_path", "quantize_per_channel", "quantize_per_token",
+           "get_quantized_kernel", "has_int8pack_kernel", "int8_path",
+           "int8_path_with_kernel", "quantize_per_channel", "quantize_per_token",
            "w8a8_missing"]

@@ -40,7 +40,8 @@ MISTAKES = {
          "x's dtype"),
         (RETURN, RETURN.replace("y if residual is None else residual + y", "y"),
          "the residual is missing"),
-        ("        path = self.path or int8_path(x.device)\n",               # never the int8 op
+        ("        path = self.path or int8_path(x.device, x.dtype, x.numel() // max(x.shape[-1], 1))"
+         "\n",                                                          # never the int8 op
          '        path = "dequant"\n', "_weight_int8pack_mm"),
     ],
     "14-buckets": [

@@ -14,7 +14,7 @@ from conftest import assert_greedy_match, hf_greedy, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.layers import gemv
 from minillm.layers.linear import Linear, OneDNNLinear, TorchLinear, get_linear_kernel
-from minillm.layers.quant import Int8Linear, int8_path, quantize_per_channel
+from minillm.layers.quant import Int8Linear, quantize_per_channel
 
 pytestmark = pytest.mark.skipif(gemv.load() is None, reason=f"no gemv kernel: {gemv.error()}")
 
@@ -73,12 +73,12 @@ def test_fp32_kernel_streams_few_rows_and_hands_more_to_its_base(base):
     assert pickle.loads(pickle.dumps(lin))(x).shape == (33, 48)
 
 
-def test_int8_picks_the_streamed_kernel_where_torch_has_no_fast_int8_product():
+def test_int8_picks_the_streamed_kernel_wherever_it_builds():
+    """Decode rows on int8 weights stream (faster than widening on AVX2, than torch's AVX-512
+    int8pack kernel on AVX-512: docs/rungs/14_compiled.md); more rows take Int8Linear's path."""
     kernel = get_linear_kernel("int8", "cpu", torch.float32)
-    if int8_path("cpu") == "dequant":
-        assert isinstance(kernel, gemv.Int8GemvLinear) and not kernel.traceable
-    else:
-        assert type(kernel) is Int8Linear
+    assert isinstance(kernel, gemv.Int8GemvLinear) and isinstance(kernel, gemv.StreamedLinear)
+    assert not kernel.traceable and kernel.path is None     # many rows: int8_path decides
     _, w, b, _ = case(1, 40, 72)
     lin = Linear(w, b, gemv.Int8GemvLinear())
     for rows in (1, 8, 20):
@@ -111,3 +111,41 @@ def test_engine_int8_decodes_like_the_widening_path(tiny, monkeypatch):
     prefix = sum(next((i for i, (a, c) in enumerate(zip(g, h)) if a != c), len(g))
                  for g, h in zip(got, want))
     assert prefix >= 0.9 * sum(map(len, want)), (got, want)
+
+
+def graph_ops(module, x) -> set[str]:
+    """The operators in the graph ``torch.compile`` traces for ``module(x)``."""
+    seen: set[str] = set()
+
+    def record(gm, inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=record, fullgraph=True)(x)
+    return seen
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "int8"])
+def test_a_compiled_graph_calls_the_streamed_operator_inline(kernel):
+    """Rung 14's graph: up to MAX_ROWS rows are ``minillm.gemv`` nodes on the layer's own
+    tensors (no Python of ours per product); more rows are the opaque ``packed_linear`` box.
+    Both compute what the eager kernel does."""
+    from minillm.engines.r14_compiled.graph import GraphLinear
+    from minillm.engines.r14_compiled.ops import StepContext, step_context
+    _, w, b, _ = case(1, 48, 64)
+    k = gemv.GemvLinear(TorchLinear()) if kernel == "gemv" else gemv.Int8GemvLinear()
+    lin, linears = Linear(w, b, k), []
+    node = GraphLinear(lin, linears)
+    ctx = StepContext(rows=0, caches=[], backend=None, slot_mapping=None, block_tables=None,
+                      context_lens=None, scale=1.0, linears=linears)
+    for rows, op in ((1, "minillm.gemv"), (gemv.MAX_ROWS, "minillm.gemv"),
+                     (gemv.MAX_ROWS + 1, "minillm.packed_linear")):
+        x = case(rows, 48, 64, seed=rows)[0]
+        with step_context(ctx):
+            ops = graph_ops(node, x)
+            torch.testing.assert_close(torch.compile(node, fullgraph=True)(x), lin(x),
+                                       rtol=1e-5, atol=1e-5)
+        assert any(op in o for o in ops), (rows, ops)
+        other = "minillm.packed_linear" if op == "minillm.gemv" else "minillm.gemv"
+        assert not any(other in o for o in ops), (rows, ops)

@@ -120,6 +120,33 @@ def test_w8a8_refused_with_one_line_naming_what_is_missing(monkeypatch):
         get_linear_kernel("w8a8", "cpu", torch.float32)
 
 
+@pytest.mark.skipif(not HAS_INT_MM, reason="no torch._int_mm on this CPU build")
+def test_w8a8_self_check_accepts_an_exact_int_mm_and_refuses_a_wrong_one(monkeypatch):
+    """The check asks whether torch's int8 GEMM is exact (integer sums), not whether w8a8 is
+    close to fp32: it once compared with fp32 at a tolerance the quantization's own error
+    exceeds, and refused w8a8 on every CPU that has VNNI."""
+    monkeypatch.setattr(quant, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    assert w8a8_missing("cpu") is None
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: real(a, b) + 1)     # off by one
+    assert "wrong product" in w8a8_missing("cpu")
+
+
+@pytest.mark.skipif(w8a8_missing() is not None, reason="this CPU cannot run w8a8")
+def test_engine_w8a8_produces_tokens(tiny):
+    """Where the CPU has int8 units: the engine on w8a8 decodes, mostly the fp32 engine's
+    tokens (activations lose more than weights alone: the first token is compared)."""
+    prompts = random_prompts(6, seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    llm = LLM(tiny, engine="paged", block_size=4, quantization="w8a8")
+    assert llm.engine.runner.net.linear_kernel.name == "w8a8"
+    got = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
+    want = [o.token_ids for o in LLM(tiny, engine="paged", block_size=4).generate(
+        prompts, params, progress=False)]
+    assert all(len(t) == 12 for t in got)
+    assert sum(a[0] == b[0] for a, b in zip(got, want)) >= 4, (got, want)
+
+
 @pytest.mark.skipif(w8a8_missing() is None, reason="this CPU runs w8a8")
 def test_engine_refuses_w8a8_here(tiny):
     with pytest.raises(RuntimeError, match="w8a8"):

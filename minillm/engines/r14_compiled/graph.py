@@ -13,29 +13,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...layers.fused import EagerOps
+from ...layers.gemv import MAX_ROWS, StreamedLinear
 from ...layers.linear import Linear
-from ...layers.quant import Int8Linear, int8_path
+from ...layers.quant import Int8Linear, int8_path, int8_path_with_kernel
 from . import ops  # noqa: F401  (registers torch.ops.minillm.decode_attention)
 
 
 class GraphLinear(nn.Module):
     """One ``Linear`` in the graph. A kernel the compiler can trace computes it inline on the
     layer's tensors, held as buffers (``torch``, ``int8``'s torch paths, ``w8a8``); one it cannot
-    (``traceable = False``: oneDNN's opaque packed copy, the C++ ``gemv`` kernels) is the
-    ``packed_linear`` op, which finds the layer by its index in ``linears`` (the step's context
-    carries that list, ops.py)."""
+    (``traceable = False``: oneDNN's opaque packed copy) is the ``packed_linear`` op, which finds
+    the layer by its index in ``linears`` (the step's context carries that list, ops.py). The
+    streamed kernels (layers/gemv.py) are both: the ``minillm::gemv`` operator on their plain
+    tensors for a bucket of up to ``MAX_ROWS`` rows, ``packed_linear`` above."""
 
     def __init__(self, lin: Linear, linears: list):
         super().__init__()
         self.index, self.out_features = None, lin.out_features
+        self.streamed = isinstance(lin.kernel, StreamedLinear)
+        if self.streamed:
+            # up to MAX_ROWS rows: the gemv operator on these buffers, no Python per product
+            self.kernel = lin.kernel
+            weight, scale = lin.kernel.stream_tensors(lin.packed)
+            self.register_buffer("w", weight, persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+            self.register_buffer("bias", lin.bias, persistent=False)
         if not lin.kernel.traceable:
             self.index = len(linears)
             linears.append(lin)
             return
         self.kernel = lin.kernel
-        if isinstance(self.kernel, Int8Linear) and self.kernel.path is None:
-            # decided here, not in the traced call (a question to torch the tracer would skip)
-            self.kernel = Int8Linear(int8_path(lin.weight.device))
+        # int8's path depends on the CPU (asked here: the question does not trace) and on the
+        # rows and dtype (fixed per bucket while tracing, below)
+        self.int8_kernel = (isinstance(self.kernel, Int8Linear) and self.kernel.path is None
+                            and int8_path(lin.weight.device) == "int8pack")
         packed = lin.packed
         self.parts = len(packed) if isinstance(packed, tuple) else 0
         for i, t in enumerate(packed if self.parts else (packed,)):
@@ -43,11 +54,18 @@ class GraphLinear(nn.Module):
         self.register_buffer("bias", lin.bias, persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # the shape and dtype are the bucket's, fixed while tracing: one branch per graph
+        if self.streamed and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32:
+            return self.kernel.stream(x, (self.w, self.scale), self.bias, residual)
         if self.index is not None:
             return torch.ops.minillm.packed_linear(x, residual, self.index, self.out_features)
         packed = tuple(getattr(self, f"p{i}") for i in range(self.parts)) if self.parts else \
             self.p0
-        return self.kernel(x, packed, self.bias, residual)
+        kernel = self.kernel
+        if isinstance(kernel, Int8Linear) and kernel.path is None:
+            kernel = Int8Linear(int8_path_with_kernel(x.dtype, x.shape[0]) if self.int8_kernel
+                                else "dequant")
+        return kernel(x, packed, self.bias, residual)
 
 
 class DecodeGraph(nn.Module):

@@ -96,6 +96,11 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
   return y;
 }
 
+// An operator of torch's, not only a Python function: a compiled decode step (rung 14's graph)
+// calls it from its generated code through the dispatcher, with no Python around each product.
+// Its schema and its shape function (for the tracer) are declared in layers/gemv.py.
+TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("gemv", &gemv); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w.T (* scale) (+ bias) (+ residual), fp32 or int8 w",
         py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::arg("bias") = py::none(),
