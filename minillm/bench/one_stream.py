@@ -20,6 +20,7 @@ VARIANTS = {
     "compiled": {"compile": True, "compile_buckets": "1"},
     "int8": {"quantization": "int8"},
     "w8a8": {"quantization": "w8a8"},
+    "compiled+w8a8": {"compile": True, "compile_buckets": "1", "quantization": "w8a8"},
     "compiled+int8": {"compile": True, "compile_buckets": "1", "quantization": "int8"},
     "gemv": {"linear_backend": "gemv"},
     "compiled+gemv": {"compile": True, "compile_buckets": "1", "linear_backend": "gemv"},

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .attention.cpp import load_extension
-from .quant import Int8Linear
+from .quant import Int8Linear, W8A8Linear, get_quantized_kernel, quantize_per_channel
 
 _SOURCE = Path(__file__).with_name("csrc") / "gemv.cpp"
 _state: dict = {}
@@ -30,7 +30,16 @@ torch.library.define("minillm::gemv", "(Tensor x, Tensor w, Tensor? scale, Tenso
                      "Tensor? residual) -> Tensor")
 
 
+torch.library.define("minillm::gemv_w8a8", "(Tensor x, Tensor w, Tensor scale, Tensor? bias, "
+                     "Tensor? residual) -> Tensor")
+
+
 @torch.library.register_fake("minillm::gemv")
+def _(x, w, scale, bias, residual):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("minillm::gemv_w8a8")
 def _(x, w, scale, bias, residual):
     return x.new_empty(x.shape[0], w.shape[0])
 
@@ -124,6 +133,44 @@ class Int8GemvLinear(Int8Linear, StreamedLinear):
         return super().__call__(x, packed, bias, residual)
 
 
+class W8A8GemvLinear(W8A8Linear, StreamedLinear):
+    """w8a8 (``quantization="w8a8"``) where the kernel was built with AVX512-VNNI: up to
+    ``MAX_ROWS`` fp32 rows are quantized per token and multiplied by ``vpdpbusd`` in the C++
+    kernel (the same integer sums as ``torch._int_mm``, scaled alike); more rows are
+    ``W8A8Linear``'s ``_int_mm``."""
+
+    name = "w8a8"
+    traceable = False
+
+    def pack(self, weight: torch.Tensor):
+        q, scale = quantize_per_channel(weight)
+        return q.contiguous(), scale            # rows of W contiguous: the kernel streams them
+
+    def stream_tensors(self, packed):
+        return packed
+
+    def stream(self, x, tensors, bias=None, residual=None):
+        lead, (q, scale) = x.shape[:-1], tensors
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        res = None if residual is None else residual.reshape(flat.shape[0], -1).float().contiguous()
+        y = torch.ops.minillm.gemv_w8a8(flat, q, scale.float().contiguous(),
+                                        None if bias is None else bias.float().contiguous(), res)
+        return y.view(*lead, q.shape[0])
+
+    def __call__(self, x, packed, bias=None, residual=None):
+        if fits(x):
+            return self.stream(x, packed, bias, residual)
+        return super().__call__(x, packed, bias, residual)
+
+
+def w8a8_kernel(device) -> W8A8Linear:
+    """``quantization="w8a8"``'s kernel (refused by name where the CPU has no int8 units): decode
+    rows through the VNNI kernel where it was built with it."""
+    kernel = get_quantized_kernel("w8a8", device)
+    module = load() if torch.device(device).type == "cpu" else None
+    return W8A8GemvLinear() if module is not None and module.has_vnni() else kernel
+
+
 def int8_kernel(device) -> Int8Linear:
     """``quantization="int8"``'s kernel. On a CPU where this kernel builds, decode rows come here
     straight from the int8 weight: measured faster than widening it (AVX2 host) and than
@@ -133,5 +180,6 @@ def int8_kernel(device) -> Int8Linear:
     return Int8Linear()
 
 
-__all__ = ["GemvLinear", "Int8GemvLinear", "MAX_ROWS", "StreamedLinear", "error", "fits", "gemv", "int8_kernel",
+__all__ = ["GemvLinear", "Int8GemvLinear", "MAX_ROWS", "StreamedLinear",
+           "W8A8GemvLinear", "w8a8_kernel", "error", "fits", "gemv", "int8_kernel",
            "load"]

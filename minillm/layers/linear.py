@@ -152,6 +152,9 @@ def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
     if name == "int8":
         from .gemv import int8_kernel
         return int8_kernel(device)
+    if name == "w8a8":
+        from .gemv import w8a8_kernel
+        return w8a8_kernel(device)
     if name in QUANTIZATIONS:
         return get_quantized_kernel(name, device)
     raise ValueError(f"unknown linear_backend {name!r}: choose "

@@ -149,3 +149,25 @@ def test_a_compiled_graph_calls_the_streamed_operator_inline(kernel):
         assert any(op in o for o in ops), (rows, ops)
         other = "minillm.packed_linear" if op == "minillm.gemv" else "minillm.gemv"
         assert not any(other in o for o in ops), (rows, ops)
+
+
+W8A8_SHAPES = [(7, 37), (96, 64), (40, 200), (1536, 576), (576, 1536)]   # chunk tails and SmolLM2's
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out,inp", W8A8_SHAPES)
+def test_w8a8_rows_compute_w8a8_linear_s_product(rows, out, inp):
+    """The streamed w8a8 kernel (VNNI where built with it, a scalar loop elsewhere) against
+    ``W8A8Linear`` (torch._int_mm): the same per-token codes and exact integer sums, so the
+    results agree to fp32 rounding, bias and residual included."""
+    from minillm.layers.quant import W8A8Linear
+    x, w, b, r = case(rows, out, inp)
+    k, ref = gemv.W8A8GemvLinear(), W8A8Linear()
+    got = k.stream(x, k.pack(w), b, r)
+    want = ref(x, ref.pack(w), b, r)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert relative_error(got, F.linear(x, w, b) + r) < 0.05     # and near fp32's product
+
+
+def relative_error(a, b):
+    return float((a - b).norm() / b.norm())

@@ -15,6 +15,7 @@ from minillm import LLM, SamplingParams
 from minillm.engines import create_engine, resolve
 from minillm.engines.r14_compiled.config import (DEFAULT_BUCKETS, CompileConfig, bucket_for,
                                                  parse_buckets)
+from minillm.layers.quant import w8a8_missing
 
 # one bucket: every decode batch of these tests (1 to 8 rows) is padded to 8, so the module
 # compiles one graph (~100 s on a busy 2-core machine, cold); which bucket a batch gets is
@@ -126,11 +127,14 @@ MIN_PREFIX_SHARE = 0.6
 
 
 @pytest.mark.slow
-def test_compiled_int8_equals_eager_int8(tiny):
-    """int8 weights in the compiled step: where the streamed kernel computes them
-    (layers/gemv.py, opaque to the tracer) they are packed_linear ops, elsewhere traced torch
-    ops; either way the tokens are the eager int8 engine's."""
-    kw = {"quantization": "int8", **TIGHT}
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_compiled_int8_equals_eager_int8(tiny, quantization):
+    """int8 weights in the compiled step: decode rows the streamed kernels compute
+    (layers/gemv.py) are ``minillm::gemv`` / ``gemv_w8a8`` nodes, other rows packed_linear ops or
+    traced torch ops; either way the tokens are the eager engine's on the same weights."""
+    if quantization == "w8a8" and w8a8_missing() is not None:
+        pytest.skip(w8a8_missing())
+    kw = {"quantization": quantization, **TIGHT}
     compiled = LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS, **kw)
     eager = LLM(tiny, engine="paged", **kw)
     got, want = run_both((compiled, eager), random_prompts(3, seed=4, lo=3, hi=12),

@@ -11,7 +11,10 @@
 // Output rows are split across torch's threads (at::parallel_for), a block of rows each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -96,13 +99,111 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
   return y;
 }
 
+// --- w8a8: int8 activations too (quantization="w8a8"), on the CPU's int8 dot products -----------
+// Each row of x gets its own scale (max|x| / 127, as layers/quant.py's quantize_per_token) and is
+// rounded to int8 once per call; then every weight row is a sum of int8 x int8 products in int32,
+// exact, scaled by both scales afterwards. AVX512-VNNI's vpdpbusd does 64 such products in one
+// instruction, where the int8-weight loop above widens 8 weights to fp32 for one FMA: the weight
+// is read at the memory's speed instead of at the widening's. vpdpbusd multiplies unsigned by
+// signed bytes, so x enters as |x| and its sign moves onto the weight (w or -w, by a mask):
+// -127..127 codes make both exact.
+static void quantize_row(const float* x, int64_t n, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] / s))));
+  *scale = s;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr bool kVnni = true;
+// |xq| (padded with zeros to a multiple of 64) and the sign of each 64-byte chunk
+using Mask = unsigned long long;      // one bit per byte of a 64-byte chunk (AVX-512's __mmask64)
+
+static inline int32_t dot_i8(const int8_t* w, const uint8_t* ax, const Mask* neg, int64_t n) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i a0 = zero, a1 = zero;
+  int64_t i = 0, c = 0;
+  for (; i + 128 <= n; i += 128, c += 2) {
+    __m512i w0 = _mm512_loadu_si512(w + i), w1 = _mm512_loadu_si512(w + i + 64);
+    w0 = _mm512_mask_sub_epi8(w0, neg[c], zero, w0);
+    w1 = _mm512_mask_sub_epi8(w1, neg[c + 1], zero, w1);
+    a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(ax + i), w0);
+    a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(ax + i + 64), w1);
+  }
+  for (; i < n; i += 64, ++c) {       // the last chunks; the weight row ends mid-chunk
+    const __mmask64 m = n - i >= 64 ? ~0ULL : (1ULL << (n - i)) - 1;
+    __m512i w0 = _mm512_maskz_loadu_epi8(m, w + i);
+    w0 = _mm512_mask_sub_epi8(w0, neg[c], zero, w0);
+    a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(ax + i), w0);
+  }
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+}
+#else
+static constexpr bool kVnni = false;
+using Mask = unsigned long long;
+
+static inline int32_t dot_i8(const int8_t* w, const uint8_t* ax, const Mask* neg, int64_t n) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t a = ax[i];
+    s += ((neg[i / 64] >> (i % 64)) & 1) ? -a * w[i] : a * w[i];
+  }
+  return s;
+}
+#endif
+
+torch::Tensor gemv_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                        c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [rows, in] fp32");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1) && w.scalar_type() == torch::kInt8,
+              "w: [out, in] int8 matching x");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t R = x.size(0), I = x.size(1), O = w.size(0), chunks = (I + 63) / 64;
+  const float* ws = opt(scale, O, "scale");
+  const float* b = opt(bias, O, "bias");
+  const float* res = opt(residual, R * O, "residual");
+  std::vector<uint8_t> ax(R * chunks * 64, 0);
+  std::vector<Mask> neg(R * chunks, 0);
+  std::vector<int8_t> q(I);
+  std::vector<float> xs(R);
+  for (int64_t r = 0; r < R; ++r) {
+    quantize_row(x.data_ptr<float>() + r * I, I, q.data(), &xs[r]);
+    for (int64_t i = 0; i < I; ++i) {
+      ax[r * chunks * 64 + i] = static_cast<uint8_t>(std::abs(q[i]));
+      if (q[i] < 0) neg[r * chunks + i / 64] |= Mask(1) << (i % 64);
+    }
+  }
+  auto y = torch::empty({R, O}, x.options());
+  float* out = y.data_ptr<float>();
+  const int8_t* W = w.data_ptr<int8_t>();
+  at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t acc = dot_i8(W + o * I, ax.data() + r * chunks * 64,
+                                   neg.data() + r * chunks, I);
+        float v = float(acc) * xs[r] * ws[o] + (b ? b[o] : 0.f);
+        out[r * O + o] = res ? res[r * O + o] + v : v;
+      }
+  });
+  return y;
+}
+
+bool has_vnni() { return kVnni; }
+
 // An operator of torch's, not only a Python function: a compiled decode step (rung 14's graph)
 // calls it from its generated code through the dispatcher, with no Python around each product.
 // Its schema and its shape function (for the tracer) are declared in layers/gemv.py.
-TORCH_LIBRARY_IMPL(minillm, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(minillm, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("gemv_w8a8", &gemv_w8a8);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "y = x @ w.T (* scale) (+ bias) (+ residual), fp32 or int8 w",
         py::arg("x"), py::arg("w"), py::arg("scale") = py::none(), py::arg("bias") = py::none(),
         py::arg("residual") = py::none());
+  m.def("has_vnni", &has_vnni, "whether gemv_w8a8 was built with AVX512-VNNI");
 }
