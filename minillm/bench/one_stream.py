@@ -73,31 +73,41 @@ def weights_floor_ms(model, quantization: str | None = None, size_mb: int = 256)
 
 
 def product_times(out_features: int = 1536, in_features: int = 576, copies: int = 40,
-                  repeats: int = 15) -> dict[str, float]:
-    """Microseconds of one one-row product ``x @ W.T`` (SmolLM2's gate/up shape by default),
-    best of ``repeats`` passes over ``copies`` different weights (so they come from memory, as
-    in a step, not from cache), by each way the engine can compute it: ``F.linear`` (BLAS on
-    the plain weight, what inductor's ``mm`` calls), oneDNN on its packed copy (the eager
-    engine's ``onednn`` kernel, and rung 14's ``packed_linear``), int8 ``dequant``, and rung 14's
-    streamed kernel (``layers/gemv.py``) on fp32 and int8 weights."""
+                  repeats: int = 15, rows: int = 1) -> dict[str, float]:
+    """Microseconds of one product ``x @ W.T`` of ``rows`` fp32 rows (SmolLM2's gate/up shape by
+    default), best of ``repeats`` passes over ``copies`` different weights (so they come from
+    memory, as in a step, not from cache), by each way the engine can compute it: ``F.linear``
+    (BLAS on the plain weight, what inductor's ``mm`` calls), oneDNN on its packed copy (the
+    eager engine's ``onednn`` kernel, and rung 14's ``packed_linear``), int8 ``dequant`` and
+    ``int8pack`` (torch's op, where it has its AVX-512 kernel), w8a8 on ``torch._int_mm`` where
+    the CPU has int8 units, and rung 14's streamed kernels (``layers/gemv.py``) on fp32, int8
+    and, with VNNI, w8a8."""
     import torch
     import torch.nn.functional as F
 
     from ..layers.linear import OneDNNLinear, onednn_works
-    from ..layers.quant import Int8Linear
+    from ..layers.quant import Int8Linear, W8A8Linear, has_int8pack_kernel, w8a8_missing
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(out_features, in_features, generator=g) for _ in range(copies)]
-    x = torch.randn(1, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
     ways = {"F.linear": (lambda w: w, lambda p: F.linear(x, p))}
     if onednn_works():
         k = OneDNNLinear()
         ways["onednn packed"] = (k.pack, lambda p: k(x, p))
     q = Int8Linear("dequant")
     ways["int8 dequant"] = (q.pack, lambda p: q(x, p))
+    if has_int8pack_kernel():
+        ways["int8 int8pack"] = (q.pack, lambda p: Int8Linear("int8pack")(x, p))
+    if w8a8_missing() is None:
+        a = W8A8Linear()
+        ways["w8a8 _int_mm"] = (a.pack, lambda p: a(x, p))
     from ..layers import gemv
-    if gemv.load() is not None:
+    if gemv.load() is not None and rows <= gemv.MAX_ROWS:
         ways["gemv fp32"] = (lambda w: w, lambda p: gemv.gemv(x, p))
         ways["gemv int8"] = (q.pack, lambda p: gemv.gemv(x, p[0], p[1]))
+        if gemv.load().has_vnni():
+            v = gemv.W8A8GemvLinear()
+            ways["gemv w8a8"] = (v.pack, lambda p: v.stream(x, p))
     out = {}
     for name, (pack, call) in ways.items():
         packed = [pack(w) for w in weights]
@@ -169,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="eager,compiled,int8",
                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--products", action="store_true",
-                   help="also time one one-row product each way it can be computed (µs)")
+                   help="also time one product each way it can be computed (µs)")
+    p.add_argument("--product-rows", type=int, default=1,
+                   help="rows of x in --products (a prefill's are many; a decode step's few)")
     p.add_argument("--accuracy", action="store_true",
                    help="also print int8's accuracy figures (bench/quant_accuracy.py)")
     args = p.parse_args(argv)
@@ -186,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if args.products:
         fp32 = 1536 * 576 * 4
-        for name, us in product_times().items():
-            print(f"one row x 576 -> 1536, {name:14s} {us:7.1f} µs  ({fp32 / us / 1e3:.1f} GB/s "
-                  f"of fp32 weight)")
+        for name, us in product_times(rows=args.product_rows).items():
+            print(f"{args.product_rows} row(s) x 576 -> 1536, {name:14s} {us:8.1f} µs  "
+                  f"({fp32 / us / 1e3:.1f} GB/s of fp32 weight)")
     if args.accuracy:
         from .quant_accuracy import measure as accuracy
         accuracy(model, ("int8",))

@@ -65,16 +65,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, bias=None, residual=
     an fp32 or int8 weight [out, in]: the kernel's call with shapes and layouts made right."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    res = None if residual is None else residual.reshape(flat.shape[0], -1).float().contiguous()
+    res = None if residual is None else \
+        residual.reshape(flat.shape[0], -1).to(flat.dtype).contiguous()
     y = torch.ops.minillm.gemv(flat.contiguous(), weight,
                                None if scale is None else scale.float().contiguous(),
                                None if bias is None else bias.float().contiguous(), res)
     return y.view(*lead, weight.shape[0])
 
 
-def fits(x: torch.Tensor) -> bool:
+STREAM_DTYPES = (torch.float32, torch.bfloat16)     # the activations gemv takes
+
+
+def fits(x: torch.Tensor, dtypes: tuple = STREAM_DTYPES) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= MAX_ROWS
+    return (x.device.type == "cpu" and x.dtype in dtypes and 0 < rows <= MAX_ROWS
             and _module() is not None)
 
 
@@ -84,6 +88,7 @@ class StreamedLinear:
     tensors as buffers and calls the operator inline for its buckets of up to ``MAX_ROWS``."""
 
     traceable = False       # its many-row path may be opaque: the graph asks ``stream`` first
+    stream_dtypes = STREAM_DTYPES       # the activations ``stream`` takes
 
     def stream_tensors(self, packed) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, per-row scale or None): what ``minillm::gemv`` reads."""
@@ -95,8 +100,8 @@ class StreamedLinear:
 
 
 class GemvLinear(StreamedLinear):
-    """fp32 weights (``linear_backend="gemv"``): up to ``MAX_ROWS`` rows streamed by the kernel,
-    more rows by ``base`` (oneDNN on its packed copy where it works, else ``F.linear``)."""
+    """fp32 or bf16 weights (``linear_backend="gemv"``): up to ``MAX_ROWS`` rows streamed by the
+    kernel, more rows by ``base`` (oneDNN on its packed copy where it works, else ``F.linear``)."""
 
     name = "gemv"
 
@@ -117,8 +122,8 @@ class GemvLinear(StreamedLinear):
 
 
 class Int8GemvLinear(Int8Linear, StreamedLinear):
-    """int8 weights (``quantization="int8"`` where the kernel builds): up to ``MAX_ROWS`` fp32
-    rows read the int8 weight directly; otherwise ``Int8Linear``'s own paths."""
+    """int8 weights (``quantization="int8"`` where the kernel builds): up to ``MAX_ROWS`` fp32 or
+    bf16 rows read the int8 weight directly; otherwise ``Int8Linear``'s own paths."""
 
     name = "int8"
     traceable = False
@@ -141,6 +146,7 @@ class W8A8GemvLinear(W8A8Linear, StreamedLinear):
 
     name = "w8a8"
     traceable = False
+    stream_dtypes = (torch.float32,)    # per-token codes from fp32 rows
 
     def pack(self, weight: torch.Tensor):
         q, scale = quantize_per_channel(weight)
@@ -158,7 +164,7 @@ class W8A8GemvLinear(W8A8Linear, StreamedLinear):
         return y.view(*lead, q.shape[0])
 
     def __call__(self, x, packed, bias=None, residual=None):
-        if fits(x):
+        if fits(x, self.stream_dtypes):
             return self.stream(x, packed, bias, residual)
         return super().__call__(x, packed, bias, residual)
 
@@ -180,6 +186,6 @@ def int8_kernel(device) -> Int8Linear:
     return Int8Linear()
 
 
-__all__ = ["GemvLinear", "Int8GemvLinear", "MAX_ROWS", "StreamedLinear",
+__all__ = ["GemvLinear", "Int8GemvLinear", "MAX_ROWS", "STREAM_DTYPES", "StreamedLinear",
            "W8A8GemvLinear", "w8a8_kernel", "error", "fits", "gemv", "int8_kernel",
            "load"]

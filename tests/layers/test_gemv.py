@@ -51,10 +51,16 @@ def test_bad_inputs_are_refused_by_name():
     x, w, _, _ = case(2, 8, 16)
     with pytest.raises(RuntimeError, match="w: \\[out, in\\] matching x"):
         gemv.gemv(x, torch.randn(8, 15))
-    with pytest.raises(RuntimeError, match="fp32 or int8"):
+    with pytest.raises(RuntimeError, match="w: fp32, bf16 or int8"):
         gemv.gemv(x, w.half())
+    with pytest.raises(RuntimeError, match="x: \\[rows, in\\] fp32 or bf16"):
+        gemv.gemv(x.half(), w)
     with pytest.raises(RuntimeError, match="scale"):
         gemv.gemv(x, w.to(torch.int8), torch.ones(7))
+    with pytest.raises(RuntimeError, match="residual: .* in x's dtype"):
+        torch.ops.minillm.gemv(x, w, None, None, torch.ones(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="w: \\[out, in\\] int8"):
+        torch.ops.minillm.gemv_w8a8(x, w, torch.ones(8), None, None)
 
 
 @pytest.mark.parametrize("base", [OneDNNLinear, TorchLinear])
@@ -126,8 +132,9 @@ def graph_ops(module, x) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "int8"])
-def test_a_compiled_graph_calls_the_streamed_operator_inline(kernel):
+@pytest.mark.parametrize("kernel,dtype", [("gemv", torch.float32), ("int8", torch.float32),
+                                          ("gemv", torch.bfloat16)])
+def test_a_compiled_graph_calls_the_streamed_operator_inline(kernel, dtype):
     """Rung 14's graph: up to MAX_ROWS rows are ``minillm.gemv`` nodes on the layer's own
     tensors (no Python of ours per product); more rows are the opaque ``packed_linear`` box.
     Both compute what the eager kernel does."""
@@ -135,13 +142,13 @@ def test_a_compiled_graph_calls_the_streamed_operator_inline(kernel):
     from minillm.engines.r14_compiled.ops import StepContext, step_context
     _, w, b, _ = case(1, 48, 64)
     k = gemv.GemvLinear(TorchLinear()) if kernel == "gemv" else gemv.Int8GemvLinear()
-    lin, linears = Linear(w, b, k), []
+    lin, linears = Linear(w.to(dtype), b.to(dtype), k), []
     node = GraphLinear(lin, linears)
     ctx = StepContext(rows=0, caches=[], backend=None, slot_mapping=None, block_tables=None,
                       context_lens=None, scale=1.0, linears=linears)
     for rows, op in ((1, "minillm.gemv"), (gemv.MAX_ROWS, "minillm.gemv"),
                      (gemv.MAX_ROWS + 1, "minillm.packed_linear")):
-        x = case(rows, 48, 64, seed=rows)[0]
+        x = case(rows, 48, 64, seed=rows)[0].to(dtype)
         with step_context(ctx):
             ops = graph_ops(node, x)
             torch.testing.assert_close(torch.compile(node, fullgraph=True)(x), lin(x),
@@ -171,3 +178,40 @@ def test_w8a8_rows_compute_w8a8_linear_s_product(rows, out, inp):
 
 def relative_error(a, b):
     return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out,inp", [(7, 37), (1536, 576)])
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_bf16_rows_on_bf16_and_int8_weights(rows, out, inp, weights):
+    """bf16 activations (a bf16 model's decode rows): the kernel sums in fp32 and rounds y once,
+    after the residual's add -- within one bf16 rounding of the fp32 product of the same
+    numbers, and the layer stays in bf16."""
+    x, w, b, r = (t.bfloat16() for t in case(rows, out, inp))
+    if weights == "bf16":
+        lin = Linear(w, None, gemv.GemvLinear(TorchLinear()))
+        exact = x.float() @ w.float().T + r.float()
+    else:
+        lin = Linear(w, None, gemv.Int8GemvLinear())
+        q, s = lin.packed
+        exact = (x.float() @ q.float().T) * s.float() + r.float()
+    got = lin(x, residual=r)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-3)
+
+
+def test_engine_on_gemv_in_bf16_decodes_like_the_oneDNN_engine():
+    """A bf16 model's decode rows through the kernel (its weights bf16 too), prefill through the
+    base: the greedy tokens of the default bf16 engine, summation order apart."""
+    from minillm.models import load_model
+    bf16 = load_model("tiny-llama", dtype=torch.bfloat16)
+    prompts = random_prompts(4, seed=6)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0)
+    fast = LLM(bf16, engine="paged", linear_backend="gemv", max_num_seqs=4)
+    assert fast.engine.runner.net.linear_kernel.name == "gemv"
+    got = [o.token_ids for o in fast.generate(prompts, params, progress=False)]
+    want = [o.token_ids for o in LLM(bf16, engine="paged", max_num_seqs=4).generate(
+        prompts, params, progress=False)]
+    prefix = sum(next((i for i, (a, c) in enumerate(zip(g, h)) if a != c), len(g))
+                 for g, h in zip(got, want))
+    assert prefix >= 0.75 * sum(map(len, want)), (got, want)

@@ -55,7 +55,7 @@ class GraphLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # the shape and dtype are the bucket's, fixed while tracing: one branch per graph
-        if self.streamed and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32:
+        if self.streamed and x.shape[0] <= MAX_ROWS and x.dtype in self.kernel.stream_dtypes:
             return self.kernel.stream(x, (self.w, self.scale), self.bias, residual)
         if self.index is not None:
             return torch.ops.minillm.packed_linear(x, residual, self.index, self.out_features)

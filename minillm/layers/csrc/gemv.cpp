@@ -7,7 +7,9 @@
 // This loop reads each row of W once, for every row of x together (W's row stays in L1 while
 // the x rows pass over it), with four independent accumulators so the FMAs do not wait on one
 // another. An int8 W is widened eight weights at a time in registers and its row's scale
-// applied to the sum: the memory moves one byte per weight, never the widened copy.
+// applied to the sum: the memory moves one byte per weight, never the widened copy; a bf16 W
+// moves two (a bf16 is the top half of an fp32: widening is a shift). bf16 activations are
+// taken to fp32 once per call and y is rounded back to bf16 once, after the residual's add.
 // Output rows are split across torch's threads (at::parallel_for), a block of rows each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,6 +29,10 @@ static inline float hsum(__m256 v) {
 }
 
 static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+static inline __m256 load8(const c10::BFloat16* w) {   // eight bf16: the fp32's top halves
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 static inline __m256 load8(const int8_t* w) {   // eight int8 weights, widened to fp32 lanes
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
@@ -55,10 +61,11 @@ static inline float dot(const T* w, const float* x, int64_t n) {
 }
 #endif
 
-// y [R, O] = x [R, I] @ W[O, I].T (* scale[O]) (+ bias[O]) (+ residual[R, O]), all fp32 but W.
-template <typename T>
+// y [R, O] = x [R, I] @ W[O, I].T (* scale[O]) (+ bias[O]) (+ residual[R, O]): x, scale and bias
+// in fp32, W in T (fp32, bf16, int8), the residual and y in the activations' type A (fp32, bf16)
+template <typename T, typename A>
 static void run(const float* x, const T* w, const float* scale, const float* bias,
-                const float* residual, float* y, int64_t R, int64_t I, int64_t O) {
+                const A* residual, A* y, int64_t R, int64_t I, int64_t O) {
   const int64_t grain = 16;
   at::parallel_for(0, O, grain, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
@@ -66,7 +73,7 @@ static void run(const float* x, const T* w, const float* scale, const float* bia
       const float s = scale ? scale[o] : 1.f, b = bias ? bias[o] : 0.f;
       for (int64_t r = 0; r < R; ++r) {
         float v = dot(row, x + r * I, I) * s + b;
-        y[r * O + o] = residual ? residual[r * O + o] + v : v;
+        y[r * O + o] = A(residual ? float(residual[r * O + o]) + v : v);
       }
     }
   });
@@ -79,23 +86,50 @@ static const float* opt(const c10::optional<torch::Tensor>& t, int64_t n, const 
   return t->data_ptr<float>();
 }
 
+template <typename A>
+static const A* residual_of(const c10::optional<torch::Tensor>& t, const torch::Tensor& x,
+                            int64_t n) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->numel() == n,
+              "residual: a contiguous tensor of ", n, " numbers in x's dtype");
+  return t->data_ptr<A>();
+}
+
+template <typename A>
+static void dispatch_w(const torch::Tensor& xf, const torch::Tensor& x, const torch::Tensor& w,
+                       const float* s, const float* b,
+                       const c10::optional<torch::Tensor>& residual, torch::Tensor& y) {
+  const int64_t R = x.size(0), I = x.size(1), O = w.size(0);
+  const A* res = residual_of<A>(residual, x, R * O);
+  const float* xp = xf.data_ptr<float>();
+  A* out = y.data_ptr<A>();
+  if (w.scalar_type() == torch::kInt8)
+    run(xp, w.data_ptr<int8_t>(), s, b, res, out, R, I, O);
+  else if (w.scalar_type() == torch::kBFloat16)
+    run(xp, w.data_ptr<c10::BFloat16>(), s, b, res, out, R, I, O);
+  else
+    run(xp, w.data_ptr<float>(), s, b, res, out, R, I, O);
+}
+
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
                    c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [rows, in] fp32");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || bf16),
+              "x: [rows, in] fp32 or bf16");
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "w: [out, in] matching x");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kInt8,
-              "w: fp32 or int8");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16 ||
+              w.scalar_type() == torch::kInt8, "w: fp32, bf16 or int8");
   x = x.contiguous();
   w = w.contiguous();
-  const int64_t R = x.size(0), I = x.size(1), O = w.size(0);
-  auto y = torch::empty({R, O}, x.options());
-  const float* s = opt(scale, O, "scale");
-  const float* b = opt(bias, O, "bias");
-  const float* res = opt(residual, R * O, "residual");
-  if (w.scalar_type() == torch::kInt8)
-    run(x.data_ptr<float>(), w.data_ptr<int8_t>(), s, b, res, y.data_ptr<float>(), R, I, O);
+  // a few rows of x in fp32 once (the weights are what streams; x stays in L1)
+  const torch::Tensor xf = bf16 ? x.to(torch::kFloat32) : x;
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  const float* s = opt(scale, w.size(0), "scale");
+  const float* b = opt(bias, w.size(0), "bias");
+  if (bf16)
+    dispatch_w<c10::BFloat16>(xf, x, w, s, b, residual, y);
   else
-    run(x.data_ptr<float>(), w.data_ptr<float>(), s, b, res, y.data_ptr<float>(), R, I, O);
+    dispatch_w<float>(xf, x, w, s, b, residual, y);
   return y;
 }
 

@@ -1,0 +1,33 @@
+"""Rung 14's one-stream bench (bench/one_stream.py): its product lines name every way this host
+can compute a product (and only those), and its table compares variants on the same tokens."""
+from __future__ import annotations
+
+import pytest
+
+from minillm.bench import one_stream
+from minillm.layers import gemv
+from minillm.layers.quant import has_int8pack_kernel, w8a8_missing
+
+
+@pytest.mark.parametrize("rows", [1, 12])
+def test_product_lines_are_the_ways_this_host_has(rows):
+    times = one_stream.product_times(out_features=16, in_features=64, copies=2, repeats=1,
+                                     rows=rows)
+    want = {"F.linear", "int8 dequant"}
+    want |= {"int8 int8pack"} if has_int8pack_kernel() else set()
+    want |= {"w8a8 _int_mm"} if w8a8_missing() is None else set()
+    if gemv.load() is not None and rows <= gemv.MAX_ROWS:       # decode rows only
+        want |= {"gemv fp32", "gemv int8"} | ({"gemv w8a8"} if gemv.load().has_vnni() else set())
+    assert want <= set(times) <= want | {"onednn packed"}
+    assert all(us > 0 for us in times.values())
+
+
+def test_table_compares_variants_on_the_same_tokens(tiny):
+    rows = one_stream.measure(tiny, ("eager", "gemv", "int8"), new_tokens=6, runs=1,
+                              progress=None)
+    assert [r["variant"] for r in rows] == ["eager", "gemv", "int8"]
+    assert rows[1]["same_tokens_as_first"]          # gemv: fp32, the eager engine's tokens
+    assert [r["weights"] for r in rows] == ["float32", "float32", "int8"]
+    table = one_stream.format_table(rows).splitlines()
+    assert len(table) == 5 and table[2].startswith("| eager | float32 | float32 |")
+    assert "| 1.00x |" in table[2]
