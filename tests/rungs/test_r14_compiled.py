@@ -140,3 +140,19 @@ def test_compiled_int8_equals_eager_int8(tiny, quantization):
     got, want = run_both((compiled, eager), random_prompts(3, seed=4, lo=3, hi=12),
                          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert got == want and compiled.engine.runner.steps["compiled"] > 0
+
+
+@pytest.mark.slow
+def test_each_bucket_gets_its_graph_with_the_module_guards_skipped(tiny):
+    """The compiled call keeps only its inputs' guards (runner.py: the weights never change):
+    a batch of 2 after a batch of 1 still finds (compiles) bucket 2's graph, and 1 finds its own
+    again; every step's tokens are the eager engine's."""
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="1,2")
+    eager = LLM(tiny, engine="paged")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for n in (1, 2, 1):
+        prompts = random_prompts(n, seed=n, lo=3, hi=8)
+        got, want = run_both((compiled, eager), prompts, params)
+        assert got == want
+    runner = compiled.engine.runner
+    assert set(runner.compile_s) == {1, 2} and runner.steps["compiled"] >= 3 * 5
