@@ -73,39 +73,42 @@ def weights_floor_ms(model, quantization: str | None = None, size_mb: int = 256)
 
 
 def product_times(out_features: int = 1536, in_features: int = 576, copies: int = 40,
-                  repeats: int = 15, rows: int = 1) -> dict[str, float]:
-    """Microseconds of one product ``x @ W.T`` of ``rows`` fp32 rows (SmolLM2's gate/up shape by
-    default), best of ``repeats`` passes over ``copies`` different weights (so they come from
+                  repeats: int = 15, rows: int = 1, dtype=None) -> dict[str, float]:
+    """Microseconds of one product ``x @ W.T`` of ``rows`` rows in ``dtype`` (fp32 by default;
+    W in it too, or int8; SmolLM2's gate/up shape by default), best of ``repeats`` passes over ``copies`` different weights (so they come from
     memory, as in a step, not from cache), by each way the engine can compute it: ``F.linear``
     (BLAS on the plain weight, what inductor's ``mm`` calls), oneDNN on its packed copy (the
     eager engine's ``onednn`` kernel, and rung 14's ``packed_linear``), int8 ``dequant`` and
     ``int8pack`` (torch's op, where it has its AVX-512 kernel), w8a8 on ``torch._int_mm`` where
     the CPU has int8 units, and rung 14's streamed kernels (``layers/gemv.py``) on fp32, int8
-    and, with VNNI, w8a8."""
+    and, with VNNI and fp32 rows, w8a8."""
     import torch
     import torch.nn.functional as F
 
     from ..layers.linear import OneDNNLinear, onednn_works
     from ..layers.quant import Int8Linear, W8A8Linear, has_int8pack_kernel, w8a8_missing
+    dtype = dtype or torch.float32
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out_features, in_features, generator=g) for _ in range(copies)]
-    x = torch.randn(rows, in_features, generator=g)
+    weights = [torch.randn(out_features, in_features, generator=g).to(dtype)
+               for _ in range(copies)]
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    fp32 = dtype == torch.float32
     ways = {"F.linear": (lambda w: w, lambda p: F.linear(x, p))}
-    if onednn_works():
+    if onednn_works(dtype):
         k = OneDNNLinear()
         ways["onednn packed"] = (k.pack, lambda p: k(x, p))
     q = Int8Linear("dequant")
     ways["int8 dequant"] = (q.pack, lambda p: q(x, p))
     if has_int8pack_kernel():
         ways["int8 int8pack"] = (q.pack, lambda p: Int8Linear("int8pack")(x, p))
-    if w8a8_missing() is None:
+    if w8a8_missing() is None and fp32:
         a = W8A8Linear()
         ways["w8a8 _int_mm"] = (a.pack, lambda p: a(x, p))
     from ..layers import gemv
     if gemv.load() is not None and rows <= gemv.MAX_ROWS:
-        ways["gemv fp32"] = (lambda w: w, lambda p: gemv.gemv(x, p))
+        ways["gemv"] = (lambda w: w, lambda p: gemv.gemv(x, p))
         ways["gemv int8"] = (q.pack, lambda p: gemv.gemv(x, p[0], p[1]))
-        if gemv.load().has_vnni():
+        if gemv.load().has_vnni() and fp32:
             v = gemv.W8A8GemvLinear()
             ways["gemv w8a8"] = (v.pack, lambda p: v.stream(x, p))
     out = {}
@@ -198,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if args.products:
         fp32 = 1536 * 576 * 4
-        for name, us in product_times(rows=args.product_rows).items():
-            print(f"{args.product_rows} row(s) x 576 -> 1536, {name:14s} {us:8.1f} µs  "
-                  f"({fp32 / us / 1e3:.1f} GB/s of fp32 weight)")
+        for name, us in product_times(rows=args.product_rows, dtype=model.dtype).items():
+            print(f"{args.product_rows} row(s) x 576 -> 1536, {str(model.dtype)[6:]}, "
+                  f"{name:14s} {us:8.1f} µs  ({fp32 / us / 1e3:.1f} GB/s of fp32 weight)")
     if args.accuracy:
         from .quant_accuracy import measure as accuracy
         accuracy(model, ("int8",))

@@ -3,6 +3,7 @@ can compute a product (and only those), and its table compares variants on the s
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minillm.bench import one_stream
 from minillm.layers import gemv
@@ -10,14 +11,17 @@ from minillm.layers.quant import has_int8pack_kernel, w8a8_missing
 
 
 @pytest.mark.parametrize("rows", [1, 12])
-def test_product_lines_are_the_ways_this_host_has(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_lines_are_the_ways_this_host_has(rows, dtype):
     times = one_stream.product_times(out_features=16, in_features=64, copies=2, repeats=1,
-                                     rows=rows)
+                                     rows=rows, dtype=dtype)
+    fp32 = dtype == torch.float32
     want = {"F.linear", "int8 dequant"}
     want |= {"int8 int8pack"} if has_int8pack_kernel() else set()
-    want |= {"w8a8 _int_mm"} if w8a8_missing() is None else set()
+    want |= {"w8a8 _int_mm"} if w8a8_missing() is None and fp32 else set()
     if gemv.load() is not None and rows <= gemv.MAX_ROWS:       # decode rows only
-        want |= {"gemv fp32", "gemv int8"} | ({"gemv w8a8"} if gemv.load().has_vnni() else set())
+        want |= {"gemv", "gemv int8"}
+        want |= {"gemv w8a8"} if gemv.load().has_vnni() and fp32 else set()
     assert want <= set(times) <= want | {"onednn packed"}
     assert all(us > 0 for us in times.values())
 
