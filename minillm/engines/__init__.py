@@ -19,6 +19,7 @@ from typing import Callable
 from ..layers.attention import get_attention_backend
 from ..runtime.config import Option, build_configs, config_attr, option_value, options_of
 from ..runtime.driver import RunResult
+from ..runtime.heap import trim
 from ..runtime.interface import Engine, StepOutput
 
 
@@ -181,6 +182,7 @@ def create_engine(name: str, model, **options) -> Engine:
     if unknown:
         raise ValueError(f"bad option for engine {spec.name!r}: {', '.join(unknown)} (it takes "
                          f"{', '.join(allowed) or 'no options'})")
+    trim()      # what engines freed before this one leaves the process (runtime/heap.py)
     return spec.build(model, {**fixed, **options})
 
 
