@@ -156,3 +156,19 @@ def test_each_bucket_gets_its_graph_with_the_module_guards_skipped(tiny):
         assert got == want
     runner = compiled.engine.runner
     assert set(runner.compile_s) == {1, 2} and runner.steps["compiled"] >= 3 * 5
+
+
+@pytest.mark.slow
+def test_engines_in_one_process_each_run_their_own_graph(tiny):
+    """The module guards are skipped (runner.py), so each engine's graph has its own code object:
+    an fp32, a bf16 and an int8 engine built one after another in one process each decode as
+    their eager twins (a bf16 engine once ran the fp32 engine's graph: index_copy_'s dtypes)."""
+    from minillm.models import load_model
+    bf16 = load_model("tiny-llama", dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = random_prompts(2, seed=21, lo=3, hi=8)
+    for model, kw in ((tiny, {}), (bf16, {}), (tiny, {"quantization": "int8"}), (tiny, {})):
+        compiled = LLM(model, engine="paged", compile=True, compile_buckets="2", **kw)
+        got, want = run_both((compiled, LLM(model, engine="paged", **kw)), prompts, params)
+        assert got == want, (model.dtype, kw)
+        assert compiled.engine.runner.steps["compiled"] > 0

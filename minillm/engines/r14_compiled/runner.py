@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 
 import torch
+from torch import nn
 
 from ...core.runner import ModelRunner
 from .config import bucket_for
@@ -43,15 +45,16 @@ class CompiledRunner(ModelRunner):
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(buckets) + 2)
-        self.graph = DecodeGraph(self.net)
+        self.graph = with_own_code(DecodeGraph(self.net))
         # No ``freezing`` (weights as constants, fp32 ones packed for oneDNN): measured side by
         # side it bought nothing at one row (9.6 vs 9.3 tok/s, SmolLM2, docs/rungs/14_compiled.md)
         # while it made inductor skip its on-disk graph cache -- a second process compiled again
         # for minutes instead of loading the graph in seconds.
-        # Guards: before each call dynamo checks that what it traced still holds. On every
-        # buffer of the graph's ~270 (their ids, shapes, dtypes) that was ~1 ms a step, measured;
-        # the runner never swaps the model's weights, so only the inputs' guards are kept (their
-        # shapes pick the bucket's graph).
+        # Guards: before each call dynamo checks that what it traced still holds. On the graph's
+        # ~300 buffers (types, shapes, dtypes) that was 0.8 ms a step, 89 us with only the
+        # inputs' guards (their shapes pick the bucket's graph; measured, docs/rungs/
+        # 14_compiled.md). The runner never swaps its weights, and ``with_own_code`` keeps
+        # another engine's graphs apart.
         self.compiled = torch.compile(
             self.graph, dynamic=False, fullgraph=True,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
@@ -99,8 +102,20 @@ class CompiledRunner(ModelRunner):
                 "compiled_steps": self.steps["compiled"], "eager_steps": self.steps["eager"]}
 
 
+def with_own_code(module: nn.Module) -> nn.Module:
+    """``module`` with a ``forward`` of its own code object. dynamo keeps compiled graphs and
+    their guards per code object; with the module guards skipped, a second engine's graph of the
+    same class would be taken for the first's (it was: a bf16 engine ran an fp32 engine's graph
+    in one process). A copy of the code is a cache of its own, and a recompile limit of its own."""
+    f = type(module).forward
+    code = f.__code__.replace()         # equal, not the same object
+    own = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    module.forward = types.MethodType(own, module)
+    return module
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["CompiledRunner", "use_disk_cache"]
+__all__ = ["CompiledRunner", "use_disk_cache", "with_own_code"]
