@@ -1,11 +1,13 @@
 """Memory the engines freed goes back to the operating system (Linux with glibc).
 
 An engine's KV pool and its weight copies (oneDNN's packed weights, the fused projections) are
-freed when its last reference goes (no engine sits in a reference cycle). But glibc's malloc
-keeps freed blocks of a few MB in its heap once its mmap threshold has risen -- it rises after
-the first such free -- and the next engine's blocks do not fit its holes well, so a process that
-builds engine after engine grows: notebook 06 builds fifteen, and its kernel's quick run reached
-9.3 GB, enough for the OOM killer beside two test workers on a 24 GB machine (docs/TESTING.md).
+freed when its last reference goes (no engine sits in a reference cycle). But the runner asks
+glibc to keep freed memory for the next step (core/runner.py's ``keep_freed_memory``: blocks
+under 32 MiB come from the heap, and up to 1 GiB of free heap is kept, so a step reuses its
+pages instead of faulting fresh ones), and a freed engine's blocks stay resident with the
+rest; the next engine's blocks do not fit its holes well, so a process that builds engine after
+engine grows: notebook 06 builds fifteen, and its kernel's quick run reached 9.3 GB, enough
+for the OOM killer beside two test workers on a 24 GB machine (docs/TESTING.md).
 ``malloc_trim(0)`` hands the heap's free pages back. ``create_engine`` calls it before it builds
 (not when an engine is freed: a finalizer runs before the engine's attributes are released):
 measured, 60-70 ms after a freed SmolLM2 engine (1.7 GB given back), ~5 ms after the tiny
