@@ -63,14 +63,18 @@ def _module():
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale=None, bias=None, residual=None):
     """``x @ weight.T`` (``* scale`` per output row) ``+ bias + residual`` for x [..., in] fp32 and
     an fp32 or int8 weight [out, in]: the kernel's call with shapes and layouts made right."""
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
+    return _call(torch.ops.minillm.gemv, x, weight, scale, bias, residual)
+
+
+def _call(op, x, weight, scale, bias, residual):
+    """``op`` (gemv or gemv_w8a8) on x flattened to [rows, in], scale and bias as fp32, the
+    residual as x's rows in x's dtype; y given x's leading dimensions back."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
     res = None if residual is None else \
         residual.reshape(flat.shape[0], -1).to(flat.dtype).contiguous()
-    y = torch.ops.minillm.gemv(flat.contiguous(), weight,
-                               None if scale is None else scale.float().contiguous(),
-                               None if bias is None else bias.float().contiguous(), res)
-    return y.view(*lead, weight.shape[0])
+    y = op(flat, weight, None if scale is None else scale.float().contiguous(),
+           None if bias is None else bias.float().contiguous(), res)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 STREAM_DTYPES = (torch.float32, torch.bfloat16)     # the activations gemv takes
@@ -156,12 +160,8 @@ class W8A8GemvLinear(W8A8Linear, StreamedLinear):
         return packed
 
     def stream(self, x, tensors, bias=None, residual=None):
-        lead, (q, scale) = x.shape[:-1], tensors
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        res = None if residual is None else residual.reshape(flat.shape[0], -1).float().contiguous()
-        y = torch.ops.minillm.gemv_w8a8(flat, q, scale.float().contiguous(),
-                                        None if bias is None else bias.float().contiguous(), res)
-        return y.view(*lead, q.shape[0])
+        q, scale = tensors
+        return _call(torch.ops.minillm.gemv_w8a8, x, q, scale, bias, residual)
 
     def __call__(self, x, packed, bias=None, residual=None):
         if fits(x, self.stream_dtypes):

@@ -132,17 +132,24 @@ def test_w8a8_self_check_accepts_an_exact_int_mm_and_refuses_a_wrong_one(monkeyp
     assert "wrong product" in w8a8_missing("cpu")
 
 
+def quantized_and_fp32_tokens(tiny, quantization: str):
+    """Greedy tokens of 6 prompts on ``quantization``'s engine (its kernel checked by name) and
+    on the fp32 engine."""
+    prompts = random_prompts(6, seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    llm = LLM(tiny, engine="paged", block_size=4, quantization=quantization)
+    assert llm.engine.runner.net.linear_kernel.name == quantization
+    got = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
+    want = [o.token_ids for o in LLM(tiny, engine="paged", block_size=4).generate(
+        prompts, params, progress=False)]
+    return got, want
+
+
 @pytest.mark.skipif(w8a8_missing() is not None, reason="this CPU cannot run w8a8")
 def test_engine_w8a8_produces_tokens(tiny):
     """Where the CPU has int8 units: the engine on w8a8 decodes, mostly the fp32 engine's
     tokens (activations lose more than weights alone: the first token is compared)."""
-    prompts = random_prompts(6, seed=3)
-    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
-    llm = LLM(tiny, engine="paged", block_size=4, quantization="w8a8")
-    assert llm.engine.runner.net.linear_kernel.name == "w8a8"
-    got = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
-    want = [o.token_ids for o in LLM(tiny, engine="paged", block_size=4).generate(
-        prompts, params, progress=False)]
+    got, want = quantized_and_fp32_tokens(tiny, "w8a8")
     assert all(len(t) == 12 for t in got)
     assert sum(a[0] == b[0] for a, b in zip(got, want)) >= 4, (got, want)
 
@@ -155,13 +162,7 @@ def test_engine_refuses_w8a8_here(tiny):
 
 def test_engine_int8_produces_tokens(tiny):
     """The tiny random model on int8 weights: tokens come, and mostly the fp32 engine's."""
-    prompts = random_prompts(6, seed=3)
-    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
-    llm = LLM(tiny, engine="paged", block_size=4, quantization="int8")
-    assert llm.engine.runner.net.linear_kernel.name == "int8"
-    got = [o.token_ids for o in llm.generate(prompts, params, progress=False)]
-    want = [o.token_ids for o in LLM(tiny, engine="paged", block_size=4).generate(
-        prompts, params, progress=False)]
+    got, want = quantized_and_fp32_tokens(tiny, "int8")
     assert all(len(t) == 12 for t in got)
     first = sum(a[0] == b[0] for a, b in zip(got, want))
     assert first >= 5, (got, want)
