@@ -15,6 +15,7 @@ from minillm import LLM, SamplingParams
 from minillm.engines import create_engine, resolve
 from minillm.engines.r14_compiled.config import (DEFAULT_BUCKETS, CompileConfig, bucket_for,
                                                  parse_buckets)
+from minillm.layers.attention.cpp import cpp_available
 from minillm.layers.quant import w8a8_missing
 
 # one bucket: every decode batch of these tests (1 to 8 rows) is padded to 8, so the module
@@ -78,7 +79,7 @@ def test_compiled_greedy_equals_eager(pair, n_prompts):
     got, want = run_both(pair, prompts, params)
     assert got == want
     runner = pair[0].engine.runner
-    assert runner.steps["compiled"] > 0
+    assert runner.steps["compiled"] > 0 and runner.native     # the C++ attention operator
     assert set(runner.compile_s) <= set(parse_buckets(BUCKETS))
 
 
@@ -162,13 +163,17 @@ def test_each_bucket_gets_its_graph_with_the_module_guards_skipped(tiny):
 def test_engines_in_one_process_each_run_their_own_graph(tiny):
     """The module guards are skipped (runner.py), so each engine's graph has its own code object:
     an fp32, a bf16 and an int8 engine built one after another in one process each decode as
-    their eager twins (a bf16 engine once ran the fp32 engine's graph: index_copy_'s dtypes)."""
+    their eager twins (a bf16 engine once ran the fp32 engine's graph: index_copy_'s dtypes). An
+    int8 KV pool (rung 9) keeps the Python attention op, the others take the C++ operator."""
     from minillm.models import load_model
     bf16 = load_model("tiny-llama", dtype=torch.bfloat16)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = random_prompts(2, seed=21, lo=3, hi=8)
-    for model, kw in ((tiny, {}), (bf16, {}), (tiny, {"quantization": "int8"}), (tiny, {})):
+    for model, kw in ((tiny, {}), (bf16, {}), (tiny, {"quantization": "int8"}),
+                      (tiny, {"kv_cache_dtype": "int8"}), (tiny, {})):
         compiled = LLM(model, engine="paged", compile=True, compile_buckets="2", **kw)
         got, want = run_both((compiled, LLM(model, engine="paged", **kw)), prompts, params)
         assert got == want, (model.dtype, kw)
-        assert compiled.engine.runner.steps["compiled"] > 0
+        runner = compiled.engine.runner
+        assert runner.steps["compiled"] > 0
+        assert runner.native == ("kv_cache_dtype" not in kw and cpp_available()), kw

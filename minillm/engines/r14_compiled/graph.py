@@ -16,6 +16,7 @@ from ...layers.fused import EagerOps
 from ...layers.gemv import MAX_ROWS, StreamedLinear
 from ...layers.linear import Linear
 from ...layers.quant import Int8Linear, int8_path, int8_path_with_kernel
+from ...layers.attention import cpp  # noqa: F401  (declares minillm::decode_step_attention)
 from . import ops  # noqa: F401  (registers torch.ops.minillm.decode_attention)
 
 
@@ -70,16 +71,17 @@ class GraphLinear(nn.Module):
 
 class DecodeGraph(nn.Module):
     """``forward(ids [B], positions [B]) -> logits [B, vocab]`` (fp32) over ``net``'s weights;
-    the K/V pool is reached by the attention op through the step's context (ops.py)."""
+    the K/V pool is reached by the attention op through the step's context (ops.py): the C++
+    backend's operator where ``native`` (ops.py's docstring), else the Python custom op."""
 
-    def __init__(self, net):
+    def __init__(self, net, native: bool = False):
         super().__init__()
         self.eps = net.eps
         self.linears: list[Linear] = []     # the packed ones, for the step's context (ops.py)
         for name in ("embed", "final_norm", "cos", "sin"):
             self.register_buffer(name, getattr(net, name), persistent=False)
         self.lm_head = GraphLinear(net.lm_head, self.linears)
-        self.layers = nn.ModuleList(DecodeLayer(w, i, net, self.linears)
+        self.layers = nn.ModuleList(DecodeLayer(w, i, net, self.linears, native)
                                     for i, w in enumerate(net.layers))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -91,9 +93,11 @@ class DecodeGraph(nn.Module):
 
 
 class DecodeLayer(nn.Module):
-    def __init__(self, w, index: int, net, linears: list):
+    def __init__(self, w, index: int, net, linears: list, native: bool):
         super().__init__()
         self.index, self.eps = index, net.eps
+        self.attention = (torch.ops.minillm.decode_step_attention if native
+                          else torch.ops.minillm.decode_attention)
         self.H, self.KVH, self.D = net.num_heads, net.num_kv_heads, net.head_dim
         self.register_buffer("input_norm", w.input_norm, persistent=False)
         self.register_buffer("post_norm", w.post_norm, persistent=False)
@@ -105,7 +109,7 @@ class DecodeLayer(nn.Module):
         qkv = self.qkv(EagerOps.rms_norm(h, self.input_norm, self.eps))
         q, k = EagerOps.rope(qkv, cos, sin, H, KVH)
         v = qkv[:, (H + KVH) * D:].view(-1, KVH, D)
-        attn = torch.ops.minillm.decode_attention(q, k, v, self.index)
+        attn = self.attention(q, k, v, self.index)
         h = self.o(attn.reshape(-1, H * D), residual=h)
         x = EagerOps.rms_norm(h, self.post_norm, self.eps)
         return self.down(EagerOps.silu_mul(self.gate_up(x)), residual=h)

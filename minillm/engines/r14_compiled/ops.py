@@ -13,10 +13,16 @@ the compiled call): the KV pool, the attention backend, the real rows' slots, bl
 lengths. vLLM's ``unified_attention`` does the same (its ``ForwardContext``): the pool is never
 a graph input, so the compiler has no multi-GB tensor to guard or copy, and a batch padded to
 its bucket writes and reads only its real rows (padded rows' outputs are zeros, thrown away).
+
+Where the attention backend is the C++ kernel on plain pools, the graph calls its operator
+instead, ``minillm::decode_step_attention`` (layers/attention/csrc/decode_step.h): the same
+context, set once per step in C++, and no Python at all per layer -- the Python op costs
+~140 us a layer in a one-row SmolLM2 step, the C++ one ~15 (docs/rungs/14_compiled.md).
 """
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +40,7 @@ class StepContext:
     context_lens: torch.Tensor      # [rows]
     scale: float
     linears: list = field(default_factory=list)    # the Linears packed_linear computes (graph.py)
+    native: bool = False            # the graph calls the backend's C++ op (decode_step_attention)
 
 
 # per thread: rung 12's ThreadExecutor runs forwards on a worker thread
@@ -48,9 +55,15 @@ class step_context:
 
     def __enter__(self):
         self.prev, _local.ctx = getattr(_local, "ctx", None), self.ctx
+        self.stack = ExitStack()
+        if self.ctx.native:            # the same context, for the C++ op, on this thread
+            c = self.ctx
+            self.stack.enter_context(c.backend.step_context(
+                c.caches, c.slot_mapping, c.block_tables, c.context_lens, c.rows, c.scale))
         return self.ctx
 
     def __exit__(self, *exc):
+        self.stack.close()
         _local.ctx = self.prev
 
 

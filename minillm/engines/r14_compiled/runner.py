@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...core.runner import ModelRunner
+from ...layers.attention.cpp import CppAttention
 from .config import bucket_for
 from .graph import DecodeGraph
 from .ops import StepContext, step_context
@@ -45,7 +46,9 @@ class CompiledRunner(ModelRunner):
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(buckets) + 2)
-        self.graph = with_own_code(DecodeGraph(self.net))
+        # the C++ backend's attention operator where it serves these pools (ops.py)
+        self.native = isinstance(backend, CppAttention) and backend.serves_step(self.pool.caches)
+        self.graph = with_own_code(DecodeGraph(self.net, self.native))
         # No ``freezing`` (weights as constants, fp32 ones packed for oneDNN): measured side by
         # side it bought nothing at one row (9.6 vs 9.3 tok/s, SmolLM2, docs/rungs/14_compiled.md)
         # while it made inductor skip its on-disk graph cache -- a second process compiled again
@@ -83,7 +86,7 @@ class CompiledRunner(ModelRunner):
             pos = torch.cat([pos, pos.new_zeros(pad)])
         ctx = StepContext(rows, self.pool.caches, self.backend, meta.slot_mapping,
                           meta.decode_block_tables, meta.decode_context_lens, self.net.scale,
-                          self.graph.linears)
+                          self.graph.linears, self.native)
         first = bucket not in self.compile_s
         if first:
             self.progress(f"compiling the decode step for batch {bucket} (buckets "

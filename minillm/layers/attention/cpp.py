@@ -36,6 +36,17 @@ _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 _lock = threading.Lock()
 _state: dict = {}          # "module" once built, or "error": why it could not be
 
+# torch.ops.minillm.decode_step_attention: one layer's attention in a compiled decode step (rung
+# 14), computed by the C++ source once it is loaded (csrc/decode_step.h, its TORCH_LIBRARY_IMPL),
+# reading the pools and tables from the step's context that ``CppAttention.step_context`` sets.
+torch.library.define("minillm::decode_step_attention",
+                     "(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
+
+
+@torch.library.register_fake("minillm::decode_step_attention")
+def _(q, k, v, layer):
+    return q.new_empty(q.shape)       # contiguous, as the kernel returns it
+
 
 def _flags() -> tuple[list[str], list[str]]:
     cflags, ldflags = ["-O3", "-ffast-math"], []
@@ -117,6 +128,20 @@ class CppAttention(TorchAttention):
         return self.kernel.paged_decode(q, k_cache, v_cache, None, None, block_tables,
                                         context_lens, scale)
 
+    def serves_step(self, caches: list) -> bool:
+        """Whether ``decode_step_attention`` computes a compiled decode step on these pools:
+        plain CPU tensors (a rung 9 pool with scales keeps the Python op, ops.py of rung 14)."""
+        return self.kernel is not None and all(
+            type(k) is torch.Tensor and type(v) is torch.Tensor and k.device.type == "cpu"
+            for k, v in caches)
+
+    def step_context(self, caches: list, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, rows: int, scale: float) -> "_StepContext":
+        """``with backend.step_context(...):`` -- the pools, slots, tables and lengths every
+        layer's ``decode_step_attention`` reads during one compiled call, on this thread."""
+        return _StepContext(self.kernel, caches, slot_mapping, block_tables, context_lens, rows,
+                            scale)
+
     def extend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
         # A bf16 model on a bf16 pool prefills in the kernel too, on the CPU's bf16 units (where it
@@ -130,3 +155,16 @@ class CppAttention(TorchAttention):
                                             meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                             scale)
         return super().extend(q, k_new, v_new, k_cache, v_cache, meta, scale)
+
+
+class _StepContext:
+    def __init__(self, kernel, caches, slot_mapping, block_tables, context_lens, rows, scale):
+        self.kernel = kernel
+        self.args = ([k for k, _ in caches], [v for _, v in caches], slot_mapping,
+                     block_tables.contiguous(), context_lens.contiguous(), rows, scale)
+
+    def __enter__(self):
+        self.kernel.set_step_context(*self.args)
+
+    def __exit__(self, *exc):
+        self.kernel.clear_step_context()

@@ -354,9 +354,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 
 #include "paged_extend.h"
+#include "decode_step.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, reading blocks in place (CPU)");
   m.def("paged_extend", &paged_extend, "bf16 prefill attention, reading blocks in place (CPU)");
   m.def("extend_in_place", &extend_in_place, "whether paged_extend is built here");
+  m.def("set_step_context", &set_step_context, "rung 14: the pools and tables of one decode step");
+  m.def("clear_step_context", &clear_step_context, "rung 14: end of the decode step");
 }
