@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from ..layers.attention.reference import AttentionMetadata, paged_attention
 from ..layers.fused import layer_ops, rope_heads
-from ..layers.linear import Linear, get_linear_kernel
+from ..layers.linear import Linear, gather_packed, get_linear_kernel
 
 
 @dataclass
@@ -57,6 +57,9 @@ class PagedLlama:
         self.final_norm = sd["model.norm.weight"]
         self.layers = [self._layer(sd, f"model.layers.{i}.", k)
                        for i in range(c.num_hidden_layers)]
+        # int8 codes and other copies of the weights on huge pages: one row streams them all
+        gather_packed([self.lm_head] + [lin for w in self.layers
+                                        for lin in (w.qkv, w.o, w.gate_up, w.down)])
         self.cos, self.sin = self._rope_tables(hf_model, c.max_position_embeddings)
         self.ops = ops or layer_ops(self.embed.dtype, self.embed.device)   # norm, RoPE, SiLU
 

@@ -19,6 +19,15 @@ import ctypes
 import functools
 import sys
 
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14         # linux/mman.h
+# (start, end) of every buffer ``gather`` made: what ``gathered`` asks. A freed buffer's range
+# stays listed; a later tensor at its address is then taken as gathered and not moved again, which
+# costs speed, never a wrong number.
+_gathered: list[tuple[int, int]] = []
+
 
 @functools.cache
 def _libc():
@@ -41,4 +50,44 @@ def trim() -> bool:
     return True
 
 
-__all__ = ["trim"]
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """(``nbytes`` uint8 of fresh memory starting on a 2 MiB boundary, whether the kernel was
+    asked to back it with 2 MiB pages). A decode step at one row streams every weight once: with
+    4 KiB pages the CPU's prefetchers stop at each page's end and the TLB misses every 4 KiB, so a
+    step's 134 MB of int8 weights read at 13.6 GB/s; in one buffer on huge pages at 16-21 GB/s
+    (docs/rungs/14_compiled.md). Linux only (``madvise(MADV_HUGEPAGE)``, honoured where
+    /sys/kernel/mm/transparent_hugepage/enabled is ``madvise`` or ``always``); elsewhere plain."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    buf = raw[start:start + nbytes]
+    libc = _libc()
+    # advised before the first touch, so that the page faults allocate huge pages
+    asked = libc is not None and nbytes >= HUGE_PAGE and libc.madvise(
+        ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes - nbytes % HUGE_PAGE),
+        _MADV_HUGEPAGE) == 0
+    return buf, asked
+
+
+def gather(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (contiguous, CPU) side by side in one ``huge_page_buffer``, each
+    starting on an ``align``-byte boundary; the originals are freed with their last reference."""
+    offsets, size = [], 0
+    for t in tensors:
+        offsets.append(size)
+        size += -(-t.numel() * t.element_size() // align) * align
+    buf, _ = huge_page_buffer(max(size, 1))
+    _gathered.append((buf.data_ptr(), buf.data_ptr() + size))
+    out = []
+    for t, off in zip(tensors, offsets):
+        view = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out.append(view.copy_(t))
+    return out
+
+
+def gathered(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in a buffer ``gather`` made (so moving it again would buy nothing)."""
+    p = t.data_ptr()
+    return any(a <= p < b for a, b in _gathered)
+
+
+__all__ = ["HUGE_PAGE", "gather", "gathered", "huge_page_buffer", "trim"]
