@@ -181,12 +181,13 @@ def relative_error(a, b):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("out,inp", [(7, 37), (1536, 576)])
+@pytest.mark.parametrize("out,inp", [(7, 37), (96, 100), (1536, 576)])
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 def test_bf16_rows_on_bf16_and_int8_weights(rows, out, inp, weights):
     """bf16 activations (a bf16 model's decode rows): the kernel sums in fp32 and rounds y once,
     after the residual's add -- within one bf16 rounding of the fp32 product of the same
-    numbers, and the layer stays in bf16."""
+    numbers, and the layer stays in bf16. (100 = 64 + 32 + 4: every tail of the AVX512-BF16
+    loop, where the CPU has it.)"""
     x, w, b, r = (t.bfloat16() for t in case(rows, out, inp))
     if weights == "bf16":
         lin = Linear(w, None, gemv.GemvLinear(TorchLinear()))
@@ -198,6 +199,20 @@ def test_bf16_rows_on_bf16_and_int8_weights(rows, out, inp, weights):
     got = lin(x, residual=r)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
     torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-3)
+    if weights == "bf16":       # and a bias
+        got = gemv.gemv(x, w, None, b, r)
+        torch.testing.assert_close(got.float(), exact + b.float(), rtol=2 ** -8, atol=1e-3)
+
+
+def test_the_bf16_dot_product_path_is_built_where_the_cpu_has_it():
+    import platform
+    from pathlib import Path
+    info = Path("/proc/cpuinfo")
+    if platform.machine() != "x86_64" or not info.exists():
+        pytest.skip("reads /proc/cpuinfo's x86 flags")
+    flags = set(next(line for line in info.read_text().splitlines()
+                     if line.startswith("flags")).split())
+    assert gemv.load().has_bf16_dot() == ({"avx512_bf16", "avx512bw"} <= flags)
 
 
 def test_engine_on_gemv_in_bf16_decodes_like_the_oneDNN_engine():
