@@ -69,6 +69,24 @@ static inline float dot(const T* w, const float* x, int64_t n) {
   for (; i < n; ++i) s += float(w[i]) * x[i];
   return s;
 }
+#if defined(__AVX512F__)
+// fp32 weights, where the CPU has AVX-512: sixteen lanes a load, and the tail masked
+static inline float dot(const float* w, const float* x, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, x + i), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#endif
 #else
 template <typename T>
 static inline float dot(const T* w, const float* x, int64_t n) {
