@@ -126,6 +126,38 @@ def product_times(out_features: int = 1536, in_features: int = 576, copies: int 
     return out
 
 
+def page_times(config, passes: int = 9) -> dict[str, float]:
+    """Milliseconds of one step's int8 products at one row (every layer's q/k/v, o, gate/up and
+    down, and the LM head, in ``config``'s shapes; random codes), best of ``passes`` alternating
+    passes, with the weights where torch allocates them (4 KiB pages) and gathered into one buffer
+    on huge pages (``runtime/heap.py``, what ``load_model`` and ``PagedLlama`` do), through
+    ``gemv_w8a8`` where the CPU has VNNI, else the streamed int8 kernel."""
+    import torch
+
+    from ..layers import gemv
+    from ..runtime.heap import gather
+    hid, inter, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    d = getattr(config, "head_dim", None) or hid // heads
+    qkv = (heads + 2 * config.num_key_value_heads) * d
+    shapes = [(qkv, hid), (hid, heads * d), (2 * inter, hid), (hid, inter)] * \
+        config.num_hidden_layers + [(config.vocab_size, hid)]
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randint(-127, 128, s, dtype=torch.int8, generator=g) for s in shapes]
+    huge = gather(plain)
+    scales = [torch.rand(s[0], generator=g) for s in shapes]
+    xs = {n: torch.randn(1, n, generator=g) for n in {i for _, i in shapes}}
+    op = torch.ops.minillm.gemv_w8a8 if gemv.load().has_vnni() else torch.ops.minillm.gemv
+    best = {"4 KiB pages": float("inf"), "huge pages": float("inf")}
+    for _ in range(passes):
+        for name, ws in (("4 KiB pages", plain), ("huge pages", huge)):
+            start = time.perf_counter()
+            for w, s in zip(ws, scales):
+                op(xs[w.shape[1]], w, s, None, None)
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    best["MB"] = sum(w.numel() for w in plain) / 1e6
+    return best
+
+
 def measure(model, variants=("eager", "compiled", "int8"), new_tokens: int = 128,
             runs: int = 3, progress=print) -> list[dict]:
     prompt = {"messages": [{"role": "user", "content": PROMPT}]}
@@ -185,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time one product each way it can be computed (µs)")
     p.add_argument("--product-rows", type=int, default=1,
                    help="rows of x in --products (a prefill's are many; a decode step's few)")
+    p.add_argument("--pages", action="store_true",
+                   help="also time a step's int8 products on 4 KiB pages and on huge pages")
     p.add_argument("--accuracy", action="store_true",
                    help="also print int8's accuracy figures (bench/quant_accuracy.py)")
     args = p.parse_args(argv)
@@ -204,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, us in product_times(rows=args.product_rows, dtype=model.dtype).items():
             print(f"{args.product_rows} row(s) x 576 -> 1536, {str(model.dtype)[6:]}, "
                   f"{name:14s} {us:8.1f} µs  ({fp32 / us / 1e3:.1f} GB/s of fp32 weight)")
+    if args.pages:
+        t = page_times(model.config)
+        print(f"a step's int8 products at one row, {t['MB']:.0f} MB: "
+              + ", ".join(f"{k} {t[k]:.2f} ms ({t['MB'] / t[k]:.1f} GB/s)"
+                          for k in ("4 KiB pages", "huge pages")))
     if args.accuracy:
         from .quant_accuracy import measure as accuracy
         accuracy(model, ("int8",))

@@ -35,3 +35,15 @@ def test_table_compares_variants_on_the_same_tokens(tiny):
     table = one_stream.format_table(rows).splitlines()
     assert len(table) == 5 and table[2].startswith("| eager | float32 | float32 |")
     assert "| 1.00x |" in table[2]
+
+
+@pytest.mark.skipif(gemv.load() is None, reason="no gemv kernel")
+def test_page_times_cover_a_steps_int8_products(tiny):
+    c = tiny.config
+    t = one_stream.page_times(c, passes=1)
+    d = c.hidden_size // c.num_attention_heads
+    per_layer = ((c.num_attention_heads + 2 * c.num_key_value_heads) * d * c.hidden_size
+                 + c.hidden_size * c.num_attention_heads * d + 3 * c.intermediate_size * c.hidden_size)
+    assert t["MB"] == pytest.approx((per_layer * c.num_hidden_layers
+                                     + c.vocab_size * c.hidden_size) / 1e6)
+    assert t["4 KiB pages"] > 0 and t["huge pages"] > 0
