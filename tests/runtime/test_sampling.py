@@ -7,7 +7,7 @@ import torch
 
 from conftest import random_prompts
 from minillm import LLM, SamplingParams
-from minillm.sampling import filtered_probs, sample_one
+from minillm.sampling import filtered_probs, first_max, sample_one
 
 
 def reference_filter(logits, temperature, top_k, top_p):
@@ -85,3 +85,18 @@ def test_beam_search_matches_hf(tiny):
                                                         ignore_eos=True))[0]
             assert out.samples == [r[ids.shape[1]:].tolist() for r in ref]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_max_is_argmax_ties_and_nan_included(dtype):
+    """Greedy rows take ``max(dim=-1)``'s indices (faster on the CPU): the first of equal maxima
+    and a NaN's place, as ``argmax`` gives them."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g).to(dtype)
+    logits[1, [3, 500, 999]] = 50.0                   # ties: the first wins
+    logits[2] = 0.0                                   # every entry tied
+    logits[3, 700] = float("nan")
+    logits[4, [10, 20]] = float("inf")
+    assert first_max(logits) == logits.argmax(dim=-1).tolist()
+    assert first_max(logits)[1] == 3 and first_max(logits)[2] == 0
+    assert first_max(logits[:0]) == []

@@ -20,8 +20,9 @@
 
 // Ask for the weight bytes a little ahead of the row being summed, into L2: the hardware's own
 // streamer runs only so far ahead, and a product of a one-row step is too short for it to reach
-// the memory's speed. Measured over SmolLM2's 121 int8 products of a step (134 MB, more than this
-// process's share of L3): 10-12 GB/s without, 13-14.6 with (docs/rungs/14_compiled.md).
+// the memory's speed. SmolLM2's 121 int8 products of a step (134 MB) on huge pages, best of 15
+// passes, twice (one_stream.page_times): 7.7-7.8 ms without; 6.5-6.6 at 1 KB ahead, 6.2-6.5 at
+// 2 KB, 6.5-6.6 at 4 KB.
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
