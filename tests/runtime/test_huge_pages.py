@@ -64,10 +64,13 @@ def test_gather_packed_moves_what_is_not_gathered_and_keeps_the_products(quantiz
     assert all(torch.equal(lin(x), w) for lin, w in zip((made, held, quant), want))
 
 
-def test_load_model_puts_the_parameters_on_huge_pages_tied_ones_once(tiny):
-    params = list(tiny.hf_model.parameters())
+def test_load_model_puts_the_parameters_on_huge_pages_tied_ones_once():
+    """A fresh load (the session's ``tiny`` may have been handed to worker ranks since, which moves
+    its storage into shared memory)."""
+    from minillm.models import load_model
+    model = load_model("tiny-llama", dtype=torch.float32).hf_model
+    params = list(model.parameters())
     assert all(heap.gathered(p) for p in params)
     assert len({p.untyped_storage().data_ptr() for p in params}) == 1
-    emb, head = tiny.hf_model.get_input_embeddings(), tiny.hf_model.get_output_embeddings()
-    if tiny.hf_model.config.tie_word_embeddings:
-        assert emb.weight is head.weight
+    if model.config.tie_word_embeddings:
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
