@@ -85,6 +85,26 @@ static inline float dot(const T* w, const float* x, int64_t n) {
   return s;
 }
 #if defined(__AVX512F__)
+// int8 weights with fp32 rows, where the CPU has AVX-512: sixteen weights widened a load
+static inline float dot(const int8_t* w, const float* x, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  auto wide = [](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_fmadd_ps(wide(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(wide(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(wide(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(wide(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(wide(w + i), _mm512_loadu_ps(x + i), a0);
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; i < n; ++i) s += float(w[i]) * x[i];
+  return s;
+}
+#endif
+#if defined(__AVX512F__)
 // fp32 weights, where the CPU has AVX-512: sixteen lanes a load, and the tail masked
 static inline float dot(const float* w, const float* x, int64_t n) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
