@@ -177,3 +177,46 @@ def test_engines_in_one_process_each_run_their_own_graph(tiny):
         runner = compiled.engine.runner
         assert runner.steps["compiled"] > 0
         assert runner.native == ("kv_cache_dtype" not in kw and cpp_available()), kw
+
+
+@pytest.mark.slow
+def test_two_threads_each_with_a_compiled_engine_decode_as_eager(tiny):
+    """The C++ attention operator's step context is a thread's own: an fp32 and a bf16 engine,
+    compiled, decoding at the same time in two threads each equal their eager twin."""
+    import threading
+
+    from minillm.models import load_model
+    bf16 = load_model("tiny-llama", dtype=torch.bfloat16)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engines = {m.dtype: (LLM(m, engine="paged", compile=True, compile_buckets="2"),
+                         LLM(m, engine="paged")) for m in (tiny, bf16)}
+    results: dict = {}
+
+    def decode(dtype):
+        try:
+            for seed in range(3):
+                prompts = random_prompts(2, seed=30 + seed, lo=3, hi=8)
+                got, want = run_both(engines[dtype], prompts, params)
+                results.setdefault(dtype, []).append(got == want)
+        except Exception as e:      # reported below, not lost in the thread
+            results[dtype] = [repr(e)]
+
+    threads = [threading.Thread(target=decode, args=(d,)) for d in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert results == {d: [True] * 3 for d in engines}
+    assert all(c.engine.runner.native == cpp_available() for c, _ in engines.values())
+
+
+@pytest.mark.slow
+def test_async_scheduling_with_a_compiled_step(tiny):
+    """Rung 12's worker thread runs the compiled forwards (and sets the operator's context there):
+    the greedy tokens are the eager engine's."""
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="4",
+                   async_scheduling=True)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got, want = run_both((compiled, LLM(tiny, engine="paged")),
+                         random_prompts(4, seed=41, lo=3, hi=10), params)
+    assert got == want and compiled.engine.runner.steps["compiled"] > 0
