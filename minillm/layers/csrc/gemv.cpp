@@ -85,42 +85,39 @@ static inline float dot(const T* w, const float* x, int64_t n) {
   return s;
 }
 #if defined(__AVX512F__)
-// int8 weights with fp32 rows, where the CPU has AVX-512: sixteen weights widened a load
-static inline float dot(const int8_t* w, const float* x, int64_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  auto wide = [](const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  };
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    a0 = _mm512_fmadd_ps(wide(w + i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(wide(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-    a2 = _mm512_fmadd_ps(wide(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-    a3 = _mm512_fmadd_ps(wide(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+// fp32 and int8 weights, where the CPU has AVX-512: sixteen weights a load (int8 ones widened in
+// registers), the tail masked; these overloads are taken before the eight-lane template above
+static inline __m512 load16(const float* w, __mmask16 m) { return _mm512_maskz_loadu_ps(m, w); }
+static inline __m512 load16(const int8_t* w, __mmask16 m) {
+  __m128i b;
+  if (m == 0xFFFF) {
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  } else {                                    // the row's last < 16 weights, zero-padded
+    alignas(16) int8_t tail[16] = {0};
+    for (int j = 0; (m >> j) & 1; ++j) tail[j] = w[j];
+    b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
   }
-  for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(wide(w + i), _mm512_loadu_ps(x + i), a0);
-  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-  for (; i < n; ++i) s += float(w[i]) * x[i];
-  return s;
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
-#endif
-#if defined(__AVX512F__)
-// fp32 weights, where the CPU has AVX-512: sixteen lanes a load, and the tail masked
-static inline float dot(const float* w, const float* x, int64_t n) {
+
+template <typename T>
+static inline float dot16(const T* w, const float* x, int64_t n) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    a0 = _mm512_fmadd_ps(load16(w + i, 0xFFFF), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(load16(w + i + 16, 0xFFFF), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(load16(w + i + 32, 0xFFFF), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(load16(w + i + 48, 0xFFFF), _mm512_loadu_ps(x + i + 48), a3);
   }
   for (; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1;
-    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i), _mm512_maskz_loadu_ps(m, x + i), a0);
+    a0 = _mm512_fmadd_ps(load16(w + i, m), _mm512_maskz_loadu_ps(m, x + i), a0);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
+static inline float dot(const float* w, const float* x, int64_t n) { return dot16(w, x, n); }
+static inline float dot(const int8_t* w, const float* x, int64_t n) { return dot16(w, x, n); }
 #endif
 #else
 template <typename T>
@@ -131,10 +128,38 @@ static inline float dot(const T* w, const float* x, int64_t n) {
 }
 #endif
 
-// y [R, O] = x [R, I] @ W[O, I].T (* scale[O]) (+ bias[O]) (+ residual[R, O]): x, scale and bias
-// in fp32, W in T (fp32, bf16, int8), the residual and y in the activations' type A (fp32, bf16)
-template <typename T, typename A>
-static void run(const float* x, const T* w, const float* scale, const float* bias,
+// bf16 weights and bf16 rows (a bf16 model's decode step), where the CPU has AVX512-BF16:
+// vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32 sums in one instruction,
+// where the loops above widen the weights and the rows' numbers for one FMA. The same products,
+// summed in another order; measured in docs/rungs/14_compiled.md.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static constexpr bool kBf16Dot = true;
+static inline __m512bh bf16x32(const c10::BFloat16* p, __mmask32 m = ~0u) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+static inline float dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_dpbf16_ps(a0, bf16x32(x + i), bf16x32(w + i));
+    a1 = _mm512_dpbf16_ps(a1, bf16x32(x + i + 32), bf16x32(w + i + 32));
+  }
+  for (; i < n; i += 32) {
+    const __mmask32 m = n - i >= 32 ? ~0u : (1u << (n - i)) - 1;
+    a0 = _mm512_dpbf16_ps(a0, bf16x32(x + i, m), bf16x32(w + i, m));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+#else
+static constexpr bool kBf16Dot = false;
+#endif
+
+// y [R, O] = x [R, I] @ W[O, I].T (* scale[O]) (+ bias[O]) (+ residual[R, O]): x in X (fp32, or
+// bf16 on bf16 weights where the CPU has AVX512-BF16, below), scale and bias in fp32, W in T
+// (fp32, bf16, int8), the residual and y in the activations' type A (fp32, bf16)
+template <typename X, typename T, typename A>
+static void run(const X* x, const T* w, const float* scale, const float* bias,
                 const A* residual, A* y, int64_t R, int64_t I, int64_t O) {
   const int64_t grain = 16;
   at::parallel_for(0, O, grain, [&](int64_t begin, int64_t end) {
@@ -149,48 +174,6 @@ static void run(const float* x, const T* w, const float* scale, const float* bia
     });
   });
 }
-
-// bf16 weights and bf16 rows (a bf16 model's decode step), where the CPU has AVX512-BF16:
-// vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 fp32 sums in one instruction,
-// where the loop above widens 8 weights and 8 rows' numbers for one FMA. The same products, summed
-// in another order; measured in docs/rungs/14_compiled.md.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-static constexpr bool kBf16Dot = true;
-static inline __m512bh bf16x32(const c10::BFloat16* p, __mmask32 m = ~0u) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
-}
-static inline float dot_bf16(const c10::BFloat16* w, const c10::BFloat16* x, int64_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    a0 = _mm512_dpbf16_ps(a0, bf16x32(x + i), bf16x32(w + i));
-    a1 = _mm512_dpbf16_ps(a1, bf16x32(x + i + 32), bf16x32(w + i + 32));
-  }
-  for (; i < n; i += 32) {
-    const __mmask32 m = n - i >= 32 ? ~0u : (1u << (n - i)) - 1;
-    a0 = _mm512_dpbf16_ps(a0, bf16x32(x + i, m), bf16x32(w + i, m));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-static void run_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const float* scale,
-                     const float* bias, const c10::BFloat16* residual, c10::BFloat16* y,
-                     int64_t R, int64_t I, int64_t O) {
-  at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
-    for_rows(begin, end, [&](int64_t o) {
-      const c10::BFloat16* row = w + o * I;
-      prefetch_row(row, I * 2);
-      const float s = scale ? scale[o] : 1.f, b = bias ? bias[o] : 0.f;
-      for (int64_t r = 0; r < R; ++r) {
-        const float v = dot_bf16(row, x + r * I, I) * s + b;
-        y[r * O + o] = c10::BFloat16(residual ? float(residual[r * O + o]) + v : v);
-      }
-    });
-  });
-}
-#else
-static constexpr bool kBf16Dot = false;
-#endif
 
 static const float* opt(const c10::optional<torch::Tensor>& t, int64_t n, const char* name) {
   if (!t.has_value()) return nullptr;
@@ -234,21 +217,19 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
               w.scalar_type() == torch::kInt8, "w: fp32, bf16 or int8");
   x = x.contiguous();
   w = w.contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  const float* s = opt(scale, w.size(0), "scale");
+  const float* b = opt(bias, w.size(0), "bias");
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (bf16 && w.scalar_type() == torch::kBFloat16) {
-    auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-    run_bf16(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(),
-             opt(scale, w.size(0), "scale"), opt(bias, w.size(0), "bias"),
-             residual_of<c10::BFloat16>(residual, x, x.size(0) * w.size(0)), y.data_ptr<c10::BFloat16>(),
-             x.size(0), x.size(1), w.size(0));
+  if (bf16 && w.scalar_type() == torch::kBFloat16) {   // bf16 dot products, no fp32 copy of x
+    run(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), s, b,
+        residual_of<c10::BFloat16>(residual, x, x.size(0) * w.size(0)),
+        y.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), w.size(0));
     return y;
   }
 #endif
   // a few rows of x in fp32 once (the weights are what streams; x stays in L1)
   const torch::Tensor xf = bf16 ? x.to(torch::kFloat32) : x;
-  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  const float* s = opt(scale, w.size(0), "scale");
-  const float* b = opt(bias, w.size(0), "bias");
   if (bf16)
     dispatch_w<c10::BFloat16>(xf, x, w, s, b, residual, y);
   else
