@@ -100,7 +100,7 @@ def test_the_context_is_the_threads_own():
         torch.ops.minillm.decode_step_attention(q, k, v, 0)
         t = threading.Thread(target=other)
         t.start()
-        t.join(timeout=60)
+        t.join()
     assert len(seen) == 1 and "outside a compiled decode step" in seen[0]
 
 
