@@ -220,3 +220,34 @@ def test_async_scheduling_with_a_compiled_step(tiny):
     got, want = run_both((compiled, LLM(tiny, engine="paged")),
                          random_prompts(4, seed=41, lo=3, hi=10), params)
     assert got == want and compiled.engine.runner.steps["compiled"] > 0
+
+
+FIRST_STEP_COMPILED = """
+import json, torch
+from minillm import LLM, SamplingParams
+from minillm.models import load_model
+tiny = load_model("tiny-llama", dtype=torch.float32)
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+c = LLM(tiny, engine="paged", compile=True, compile_buckets="1", linear_backend="gemv")
+got = c.generate([[5]], params, progress=False)[0].token_ids
+want = LLM(tiny, engine="paged", linear_backend="gemv").generate([[5]], params,
+                                                                 progress=False)[0].token_ids
+print(json.dumps({"got": got, "want": want, "compiled": c.engine.runner.steps["compiled"]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_whose_first_step_is_compiled_finds_the_gemv_operator():
+    """A one-token prompt's first step is a decode-shaped step, so it runs compiled before any
+    eager product has loaded the gemv extension (and with it the operator the graph calls): in a
+    fresh process that was 'Could not run minillm::gemv'."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", FIRST_STEP_COMPILED], cwd=root,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["got"] == out["want"] and out["compiled"] == 4

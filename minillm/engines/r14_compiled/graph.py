@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...layers.fused import EagerOps
+from ...layers import gemv
 from ...layers.gemv import MAX_ROWS, StreamedLinear
 from ...layers.linear import Linear
 from ...layers.quant import Int8Linear, int8_path, int8_path_with_kernel
@@ -31,7 +32,9 @@ class GraphLinear(nn.Module):
     def __init__(self, lin: Linear, linears: list):
         super().__init__()
         self.index, self.out_features = None, lin.out_features
-        self.streamed = isinstance(lin.kernel, StreamedLinear)
+        # the operator exists once its extension is loaded: eager calls load it on their first
+        # few-row product, but a process's first step may be a compiled one (a one-token prompt)
+        self.streamed = isinstance(lin.kernel, StreamedLinear) and gemv.load() is not None
         if self.streamed:
             # up to MAX_ROWS rows: the gemv operator on these buffers, no Python per product
             self.kernel = lin.kernel
