@@ -159,8 +159,8 @@ def page_times(config, passes: int = 9) -> dict[str, float]:
 
 
 def measure(model, variants=("eager", "compiled", "int8"), new_tokens: int = 128,
-            runs: int = 3, progress=print) -> list[dict]:
-    prompt = {"messages": [{"role": "user", "content": PROMPT}]}
+            runs: int = 3, progress=print, text: str = PROMPT) -> list[dict]:
+    prompt = {"messages": [{"role": "user", "content": text}]}
     engines, setup = {}, {}
     for v in variants:
         start = time.perf_counter()
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt", default=PROMPT, help="the one chat message the stream answers")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--variants", default="eager,compiled,int8",
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, dtype=args.dtype)
     print(f"{args.model}, one stream, {args.new_tokens} new tokens, {args.runs} alternating runs,"
           f" {torch.get_num_threads()} threads, activations {model.dtype}")
-    rows = measure(model, variants, args.new_tokens, args.runs)
+    rows = measure(model, variants, args.new_tokens, args.runs, text=args.prompt)
     print(format_table(rows))
     if args.products:
         fp32 = 1536 * 576 * 4

@@ -47,3 +47,10 @@ def test_page_times_cover_a_steps_int8_products(tiny):
     assert t["MB"] == pytest.approx((per_layer * c.num_hidden_layers
                                      + c.vocab_size * c.hidden_size) / 1e6)
     assert t["4 KiB pages"] > 0 and t["huge pages"] > 0
+
+
+def test_the_cli_answers_another_prompt(capsys):
+    assert one_stream.main(["--model", "tiny-llama", "--variants", "eager,gemv", "--runs", "1",
+                            "--new-tokens", "4", "--prompt", "a prompt of the user's own"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in table[1:]] == ["| eager", "| gemv"]
