@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import sys
+import weakref
 
 import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14         # linux/mman.h
-# (start, end) of every buffer ``gather`` made: what ``gathered`` asks. A freed buffer's range
-# stays listed; a later tensor at its address is then taken as gathered and not moved again, which
-# costs speed, never a wrong number.
-_gathered: list[tuple[int, int]] = []
+# (start, end) of every live buffer ``gather`` made: what ``gathered`` asks. A buffer's entry goes
+# when its storage is freed (torch keeps one Python object per storage while any tensor uses it, so
+# a finalizer on it runs exactly then); else a later tensor at a freed buffer's address would be
+# taken as gathered and never moved.
+_gathered: dict[int, tuple[int, int]] = {}
+_keys = itertools.count()
 
 
 @functools.cache
@@ -76,7 +80,9 @@ def gather(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
         offsets.append(size)
         size += -(-t.numel() * t.element_size() // align) * align
     buf, _ = huge_page_buffer(max(size, 1))
-    _gathered.append((buf.data_ptr(), buf.data_ptr() + size))
+    key = next(_keys)
+    _gathered[key] = (buf.data_ptr(), buf.data_ptr() + size)
+    weakref.finalize(buf.untyped_storage(), _gathered.pop, key, None)
     out = []
     for t, off in zip(tensors, offsets):
         view = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
@@ -87,7 +93,7 @@ def gather(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
 def gathered(t: torch.Tensor) -> bool:
     """Whether ``t`` lies in a buffer ``gather`` made (so moving it again would buy nothing)."""
     p = t.data_ptr()
-    return any(a <= p < b for a, b in _gathered)
+    return any(a <= p < b for a, b in _gathered.values())
 
 
 __all__ = ["HUGE_PAGE", "gather", "gathered", "huge_page_buffer", "trim"]
