@@ -134,16 +134,19 @@ def test_a_rewritten_grader_and_a_watcher_do_not_touch_the_next_grading(tmp_path
 @pytest.mark.parametrize("case", ["hang at import", "garbage", "flood"])
 def test_stalls_end_within_a_minute_of_their_limit_leaving_nothing(case, tmp_path, monkeypatch,
                                                                    capsys):
-    """A 600 s sleep at import (limit 30 s here), 8 bytes of garbage on the answer channel, 1 GiB
+    """A 600 s sleep at import (limit 15 s here), 8 bytes of garbage on the answer channel, 1 GiB
     of output: each grading ends well within a minute of its limit, fails with the reason, and
     leaves no process and no folder (the grading's temporary folder is watched)."""
     code = {"hang at import": "import time\ntime.sleep(600)\n",
             "garbage": "import os\nos.write(3, b'garbage!')\n",
             "flood": "import sys\n_c = 'x' * (1 << 20)\nfor _ in range(1024):\n"
                      "    sys.stderr.write(_c)\n"}[case]
-    why = {"hang at import": "took over 30 s to import", "garbage": "over the limit",
+    # 15 s where the import hangs (it only has to outlast the limit), 30 where it must finish on
+    # a busy machine
+    import_limit = 15 if case == "hang at import" else 30
+    why = {"hang at import": f"took over {import_limit} s to import", "garbage": "over the limit",
            "flood": "of output and was stopped"}[case]
-    monkeypatch.setenv("MINILLM_LAB_IMPORT_LIMIT_S", "30")
+    monkeypatch.setenv("MINILLM_LAB_IMPORT_LIMIT_S", str(import_limit))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     source = after_future(EX.source_path.read_text(), code)
@@ -151,7 +154,7 @@ def test_stalls_end_within_a_minute_of_their_limit_leaving_nothing(case, tmp_pat
     done = graded(tmp_path, "dos", source, test_limit_s=120)
     took = time.monotonic() - t
     assert done.returncode != 0 and why in done.stdout, done.stdout[-3000:]
-    assert took < 30 + 120, took            # generous: "judged at all", not a speed
+    assert took < import_limit + 120, took  # generous: "judged at all", not a speed
     assert list((tmp_path / "tmp").iterdir()) == [], "a temporary folder left behind"
     assert not _alive(str(tmp_path).encode()), "a process left behind"
     with capsys.disabled():
