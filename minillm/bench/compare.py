@@ -306,12 +306,13 @@ def side_by_side(results: dict[str, dict]) -> str:
         lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
     if len(names) >= 2:                   # the first two columns, side by side
         a, b = results[names[0]], results[names[1]]
-        lines.append(f"{names[0]} / {names[1]}: output tok/s "
-                     f"{a['output_throughput'] / b['output_throughput']:.2f}x, TTFT P50 "
-                     f"{a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x, TTFT P99 "
-                     f"{a['p99_ttft_ms'] / b['p99_ttft_ms']:.2f}x, TPOT P50 "
-                     f"{a['median_tpot_ms'] / b['median_tpot_ms']:.2f}x (lower is better for "
-                     f"times)")
+
+        def ratio(key: str) -> str:       # a server whose requests all failed has no times
+            x, y = a.get(key), b.get(key)
+            return f"{x / y:.2f}x" if x and y and x == x and y == y else "n/a"
+        lines.append(f"{names[0]} / {names[1]}: output tok/s {ratio('output_throughput')}, "
+                     f"TTFT P50 {ratio('median_ttft_ms')}, TTFT P99 {ratio('p99_ttft_ms')}, "
+                     f"TPOT P50 {ratio('median_tpot_ms')} (lower is better for times)")
     return "\n".join(lines)
 
 

@@ -151,6 +151,11 @@ class Engine:
     def close(self) -> None:
         """Stop what the engine started (worker processes) now rather than at exit."""
 
+    def warm_up(self) -> None:
+        """Prepare now what the first requests would otherwise wait for; a server calls it on
+        its engine thread before it listens (vLLM captures its graphs at start-up the same way).
+        Nothing to prepare by default; rung 14 compiles its decode step's batch sizes."""
+
     # --- the counters: the engine owns them, no driver writes them ------------------------------
     def step(self) -> StepOutput:
         """One step (``_step``), counted: ``step_count`` in this run, ``total_steps`` ever."""

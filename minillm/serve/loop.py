@@ -1,25 +1,22 @@
 """``EngineLoop``: one thread owns the engine; HTTP handlers only submit, abort and listen.
 
-This is continuous batching as a server does it (notebook 02 teaches the idea offline): requests
-arrive whenever clients send them, and each one joins the running batch at the *next* engine step.
-The engine is not thread-safe and need not be: only the loop thread touches it. Handlers (on the
-asyncio event loop) put ``("add", (at, request))`` and ``("abort", id)`` into a thread-safe inbox;
-the loop thread runs the one driver (``core.driver.Driver`` on a ``WallClock``, the inbox as
-its ``InboxArrivals``), which drains the inbox between steps and runs ``engine.step()``; after each
-step the loop hands each request's new token ids (and finally its ``Request``) back to that
-request's ``asyncio.Queue`` with ``call_soon_threadsafe``, the one safe way to wake an event loop
-from another thread.
+Continuous batching as a server does it (notebook 02 teaches it offline): a request joins the
+running batch at the *next* engine step. Only the loop thread touches the engine (it is not
+thread-safe and need not be). Handlers (on the asyncio event loop) put ``("add", (at, request))``
+and ``("abort", id)`` into a thread-safe inbox; the loop thread warms the engine up, then runs the
+one driver (``runtime.driver.Driver`` on a ``WallClock``, the inbox as its ``InboxArrivals``),
+which drains the inbox between steps and runs ``engine.step()``; after each step the loop hands
+each request's new token ids (finally its ``Request``) to its ``asyncio.Queue`` with
+``call_soon_threadsafe``, the one safe way to wake an event loop from another thread.
 
 Guarantees: every accepted request gets exactly one final event (``done`` or ``error``); an abort
-frees the request's KV blocks at once (``PagedEngine.abort``); at most ``max_waiting`` requests wait
-for the engine (``submit`` raises ``QueueFull`` beyond that: the server answers 429, it never
-queues without bound); an exception in a step fails the requests in flight with its message, resets
-the engine (pool back to full) and the loop goes on serving.
+frees its KV blocks at once; at most ``max_waiting`` requests wait (``submit`` raises ``QueueFull``
+beyond: a 429, never an unbounded queue); a step's exception fails the requests in flight with its
+message, resets the engine (pool back to full) and the loop goes on serving.
 
-Stats flow one way: the loop thread builds an ``EngineStats`` (``EngineStats.of``,
-``runtime/stats.py``) when it starts, after each step and after a failure, and swaps it into
-``self.stats``; ``/metrics``, the dashboard and admission control read that record (and the
-loop's own counters), never the engine.
+Stats flow one way: the loop thread builds an ``EngineStats`` (``runtime/stats.py``) when it
+starts, after each step and after a failure, and swaps it into ``self.stats``; ``/metrics``, the
+dashboard and admission control read that record (and the loop's counters), never the engine.
 """
 from __future__ import annotations
 
@@ -30,6 +27,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from ..runtime.interface import Engine, StepOutput
 from ..runtime.driver import Driver, InboxArrivals, WallClock
@@ -108,6 +107,7 @@ class EngineLoop:
         # the engine's latest record (built on the loop thread; readers take the reference)
         self.stats: EngineStats = EngineStats.of(engine)
         self._stop = threading.Event()
+        self._warm, self._warm_error = threading.Event(), None
         self._clock = WallClock()                # arrival times: seconds since the loop was made
         self._driver = Driver(engine, self._clock, InboxArrivals(self._inbox, self._apply),
                               validate=False, rejects=(Exception,), on_reject=self._rejected,
@@ -127,7 +127,12 @@ class EngineLoop:
 
     # --- the handlers' side (any thread; ``submit`` on the event loop) ---------------------------
     def start(self) -> "EngineLoop":
+        """Start the loop thread and wait while it warms the engine up (``Engine.warm_up``; rung
+        14 compiles there): a server listens once its engine is ready."""
         self._thread.start()
+        self._warm.wait()
+        if self._warm_error is not None:
+            raise RuntimeError(f"the engine failed to warm up: {self._warm_error}")
         return self
 
     def alive(self) -> bool:
@@ -159,8 +164,7 @@ class EngineLoop:
         return handle.queue
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (a client went away); its final event is a ``done`` with reason
-        ``abort``. Aborting a request that already finished does nothing."""
+        """Cancel a request (its client left): a ``done``, reason ``abort``; if ended, nothing."""
         self._inbox.put(("abort", request_id))
 
     def call_soon(self, fn: Callable[[], None]) -> None:
@@ -181,8 +185,7 @@ class EngineLoop:
 
     def num_waiting(self) -> int:
         """Requests accepted and not yet running: admission control bounds this."""
-        with self._lock:
-            return self._waiting()
+        return self.latest()[1]
 
     def arriving(self) -> list[Request]:
         """Requests submitted but not yet in the engine (they join it at the next step), in the
@@ -212,9 +215,15 @@ class EngineLoop:
     # --- the loop thread -------------------------------------------------------------------------
     def _main(self) -> None:
         if self.threads is not None:
-            import torch
             torch.set_num_threads(self.threads)
         with self.engine.exclusive():    # an offline run() from another thread waits for us
+            try:                         # on this thread: the one whose threads compute
+                self.engine.warm_up()
+            except Exception as e:  # noqa: BLE001 - start() raises it on the server's thread
+                self._warm_error = e
+                return
+            finally:
+                self._warm.set()
             try:
                 self.refresh_stats()     # an offline run may have used the engine since __init__
                 self._driver.run(until=self._stop.is_set)
@@ -288,7 +297,8 @@ class EngineLoop:
         for rid, handle in list(self.handles.items()):
             if rid in finished:
                 continue
-            new = self._new_tokens(handle, self._live_samples(handle.request))
+            # each sample's tokens so far (a beam search's: none until it ends)
+            new = self._new_tokens(handle, handle.request.samples)
             if new:
                 num_new += sum(map(len, new.values()))
                 if handle.last_token_time is not None:
@@ -308,11 +318,6 @@ class EngineLoop:
                                           len(o.token_ids), req.priority)
             handle.push(Event("done", request=req))
         self.metrics.observe_step(gaps, num_new)
-
-    @staticmethod
-    def _live_samples(req: Request) -> list[list[int]]:
-        """Each sample's tokens so far, by sample index (a beam search's: none until it ends)."""
-        return req.samples
 
     @staticmethod
     def _new_tokens(handle: Handle, samples: list[list[int]]) -> dict[int, list[int]]:

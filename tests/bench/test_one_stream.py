@@ -54,3 +54,26 @@ def test_the_cli_answers_another_prompt(capsys):
                             "--new-tokens", "4", "--prompt", "a prompt of the user's own"]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0] for line in table[1:]] == ["| eager", "| gemv"]
+
+
+def test_requests_timed_on_another_thread_run_there_and_give_the_same_tokens(tiny, monkeypatch):
+    """``--on-another-thread``: every timed request runs on a thread that is not the caller's
+    (the warm-up stays on it), with the same tokens as on the caller's thread."""
+    import threading
+    calls = []
+    real = one_stream.one_run
+
+    def spy(llm, prompt, new_tokens):
+        tps, tokens = real(llm, prompt, new_tokens)
+        calls.append((threading.current_thread() is threading.main_thread(), new_tokens, tokens))
+        return tps, tokens
+
+    monkeypatch.setattr(one_stream, "one_run", spy)
+    one_stream.measure(tiny, ("eager",), new_tokens=5, runs=2, progress=None)
+    one_stream.measure(tiny, ("eager",), new_tokens=5, runs=2, progress=None, elsewhere=True)
+    assert [(main, n) for main, n, _ in calls] == [(True, 4), (True, 5), (True, 5),
+                                                   (True, 4), (False, 5), (False, 5)]
+    timed = [tokens for _, n, tokens in calls if n == 5]
+    assert len(timed[0]) == 5 and all(t == timed[0] for t in timed)
+    assert one_stream.main(["--model", "tiny-llama", "--variants", "eager", "--runs", "1",
+                            "--new-tokens", "3", "--on-another-thread"]) == 0

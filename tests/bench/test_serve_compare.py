@@ -214,3 +214,19 @@ def test_metric_values_sums_a_name_over_its_labels():
             'x{model_name="m",reason="stop"} 3\nx{model_name="m",reason="length"} 4.5\n'
             "y 2\nvllm:num_preemptions_total{a=\"b\"} 7\n")
     assert compare.metric_values(text) == {"x": 7.5, "y": 2.0, "vllm:num_preemptions_total": 7.0}
+
+
+def test_a_server_whose_requests_all_failed_gets_n_a_not_a_crash():
+    """The table still prints when one server answered nothing (its throughput 0, its times
+    NaN): the comparison says n/a where a ratio has no meaning."""
+    nan = float("nan")
+    ok = {"completed": 96, "failed": 0, "output_throughput": 200.0, "request_throughput": 3.1,
+          "median_ttft_ms": 100.0, "p99_ttft_ms": 150.0, "median_tpot_ms": 40.0,
+          "p99_tpot_ms": 50.0, "median_itl_ms": 38.0, "median_e2el_ms": 2700.0, "preemptions": 0}
+    failed = {**ok, "completed": 0, "failed": 96, "output_throughput": 0.0,
+              **{k: nan for k in ok if k.endswith("_ms")}}
+    table = compare.side_by_side({"a": failed, "b": ok}).splitlines()
+    assert table[-1] == ("a / b: output tok/s n/a, TTFT P50 n/a, TTFT P99 n/a, TPOT P50 n/a "
+                         "(lower is better for times)")
+    assert compare.side_by_side({"a": ok, "b": ok}).splitlines()[-1].startswith(
+        "a / b: output tok/s 1.00x, TTFT P50 1.00x")

@@ -251,3 +251,50 @@ def test_a_process_whose_first_step_is_compiled_finds_the_gemv_operator():
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.splitlines()[-1])
     assert out["got"] == out["want"] and out["compiled"] == 4
+
+
+@pytest.mark.slow
+def test_a_server_s_engine_loop_compiles_every_reachable_bucket_before_it_serves(tiny):
+    """``EngineLoop.start`` returns once the loop thread has warmed the engine up: every bucket
+    the scheduler can fill (here 1 and 2 of 1,2,4: two sequences at most) is compiled before a
+    request arrives, none after; the dummy rows' K/V in slot 0 change no token."""
+    from minillm.serve.loop import EngineLoop
+
+    lines: list[str] = []
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="1,2,4", max_num_seqs=2)
+    compiled.engine.runner.progress = lines.append
+    loop = EngineLoop(compiled.engine).start()
+    try:
+        assert set(compiled.engine.runner.compile_s) == {1, 2}, lines
+    finally:
+        loop.shutdown()
+    warmed = len(lines)
+    eager = LLM(tiny, engine="paged", max_num_seqs=2)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = random_prompts(3, seed=5, lo=3, hi=9)
+    # a warm-up graph a real step's guards refused would be compiled again, silently (the
+    # server's was: its inputs had been one tensor twice); here it would be an error
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got, want = run_both((compiled, eager), prompts, params)
+    assert got == want
+    assert compiled.engine.runner.steps["compiled"] > 0 and len(lines) == warmed, lines
+
+
+def test_dynamo_s_recompile_limit_holds_on_every_thread_that_steps(tiny):
+    """dynamo's settings are each thread's own: the limit the runner needs for its buckets (2
+    more than dynamo's default of 8 here) is set on the thread that calls the graph, not only on
+    the one that built the engine (a server's loop thread hit the default: an engine error)."""
+    import threading
+    compiled = LLM(tiny, engine="paged", compile=True,
+                   compile_buckets=",".join(map(str, range(1, 11))))
+    runner = compiled.engine.runner
+    seen = []
+
+    def step_there():
+        runner.warm_up(1)
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    worker = threading.Thread(target=step_there)
+    worker.start()
+    worker.join()
+    assert seen == [12] and set(runner.compile_s) == {1}

@@ -325,6 +325,25 @@ def test_dead_pipeline_worker_makes_health_503_and_requests_503(tiny, offline):
         llm.engine.close()
 
 
+def test_an_engine_that_fails_to_warm_up_stops_the_start_with_its_reason(tiny, monkeypatch):
+    """``EngineLoop.start`` waits for the loop thread's ``engine.warm_up`` (rung 14 compiles
+    there): a failure there is the start's error, on the server's thread, with its reason (the
+    server then never listens); the loop thread ends and the engine serves offline after it."""
+    from minillm.serve.loop import EngineLoop
+
+    llm = LLM(tiny, engine="paged")
+
+    def broken():
+        raise OSError("no C++ compiler on this machine")
+
+    monkeypatch.setattr(llm.engine, "warm_up", broken)
+    loop = EngineLoop(llm.engine)
+    with pytest.raises(RuntimeError, match="failed to warm up: no C\\+\\+ compiler"):
+        loop.start()
+    wait_until(lambda: not loop.alive(), what="the loop thread to end")
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=3), progress=False)[0].token_ids
+
+
 def test_pipeline_worker_dead_while_idle_is_seen_by_health_error(tiny):
     llm = LLM(tiny, pipeline_parallel_size=2, num_blocks=16, attention_backend="torch")
     try:

@@ -20,6 +20,12 @@ class CompiledEngine(PagedEngine):
                               linear_kernel=self.linear_kernel(), kv_format=self.kv_format,
                               ops=self.layer_ops())
 
+    def warm_up(self) -> None:
+        """Compile the decode step for every batch size the scheduler can reach (its
+        ``max_num_seqs`` sequences, one block each at least)."""
+        rows = min(self.scheduler_config.max_num_seqs, self.block_manager.num_blocks)
+        self.runner.warm_up(rows)
+
     def describe(self) -> dict:
         return {**super().describe(), **self.runner.describe()}
 

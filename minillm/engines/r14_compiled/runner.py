@@ -44,8 +44,8 @@ class CompiledRunner(ModelRunner):
         self.progress = progress if progress is not None else _stderr
         self.cache = use_disk_cache()
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, len(buckets) + 2)
+        # (set again in ``call``: dynamo's settings are each thread's own)
+        self.recompile_limit = len(buckets) + 2
         # the C++ backend's attention operator where it serves these pools (ops.py)
         self.native = isinstance(backend, CppAttention) and backend.serves_step(self.pool.caches)
         self.graph = with_own_code(DecodeGraph(self.net, self.native))
@@ -92,6 +92,13 @@ class CompiledRunner(ModelRunner):
         ctx = StepContext(rows, self.pool.caches, self.backend, meta.slot_mapping,
                           meta.decode_block_tables, meta.decode_context_lens, self.net.scale,
                           self.graph.linears, self.native)
+        logits = self.call(bucket, ids, pos, ctx)
+        return [s for s, _ in order], logits[:rows], []
+
+    def call(self, bucket: int, ids, pos, ctx: StepContext) -> torch.Tensor:
+        """The compiled step on ``bucket`` rows; the first call of a bucket compiles it."""
+        if torch._dynamo.config.recompile_limit < self.recompile_limit:
+            torch._dynamo.config.recompile_limit = self.recompile_limit
         first = bucket not in self.compile_s
         if first:
             self.progress(f"compiling the decode step for batch {bucket} (buckets "
@@ -102,7 +109,31 @@ class CompiledRunner(ModelRunner):
         if first:
             self.compile_s[bucket] = time.perf_counter() - start
             self.progress(f"compiled batch {bucket} in {self.compile_s[bucket]:.1f} s")
-        return [s for s, _ in order], logits[:rows], []
+        return logits
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int) -> list[int]:
+        """Compile every bucket of at most ``max_rows`` rows now (the buckets the scheduler can
+        fill), so that no request waits for a compile: a server's first requests otherwise
+        waited 11 s at P99 for the buckets a growing batch met one by one (docs/rungs/
+        14_compiled.md). Each bucket runs once on dummy rows: token 0 at position 0, all writing
+        their K/V to slot 0 and reading that one slot. No request holds a block yet, and a
+        request writes a slot before it reads it. Returns the buckets compiled."""
+        done = []
+        for bucket in self.buckets:
+            if bucket > max_rows or bucket in self.compile_s:
+                continue
+            # three tensors, not one: a graph traced with ids and pos the same tensor is guarded
+            # on that, and a real step (two tensors) compiled the bucket again
+            ids, pos, slots = (torch.zeros(bucket, dtype=torch.long, device=self.device)
+                               for _ in range(3))
+            ctx = StepContext(bucket, self.pool.caches, self.backend, slots,
+                              torch.zeros(bucket, 1, dtype=torch.int32, device=self.device),
+                              torch.ones(bucket, dtype=torch.int32, device=self.device),
+                              self.net.scale, self.graph.linears, self.native)
+            self.call(bucket, ids, pos, ctx)
+            done.append(bucket)
+        return done
 
     def describe(self) -> dict:
         return {"compile_buckets": ",".join(map(str, self.buckets)),
