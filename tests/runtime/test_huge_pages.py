@@ -44,15 +44,16 @@ def test_a_buffer_is_forgotten_when_its_last_tensor_goes():
     tensor there would be taken as gathered and never moved (CI found one: a test's int8 codes
     landed in an earlier test's freed buffer)."""
     import gc
-    before = set(heap._gathered)
+    before = set(heap._gathered)       # other tests' buffers may go meanwhile: only ours counts
     a, b = heap.gather([torch.randn(1000), torch.randn(300)])
     p = torch.nn.Parameter(b.view(30, 10), requires_grad=False)   # what load_model makes
     del a, b
     gc.collect()
-    assert heap.gathered(p) and len(set(heap._gathered) - before) == 1, "a view keeps it"
+    ours = set(heap._gathered) - before
+    assert heap.gathered(p) and len(ours) == 1, "a view keeps it"
     del p
     gc.collect()
-    assert set(heap._gathered) == before
+    assert not ours & set(heap._gathered)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
