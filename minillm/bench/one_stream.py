@@ -186,8 +186,10 @@ def measure(model, variants=("eager", "compiled", "int8"), new_tokens: int = 128
     tokens: dict[str, list[int]] = {}
     for r in range(runs):
         for v in variants:
-            tps, tokens[v] = (on_another_thread if elsewhere else lambda f, *a: f(*a))(
-                one_run, engines[v], prompt, new_tokens)
+            if elsewhere:
+                tps, tokens[v] = on_another_thread(one_run, engines[v], prompt, new_tokens)
+            else:
+                tps, tokens[v] = one_run(engines[v], prompt, new_tokens)
             speeds[v].append(tps)
         if progress:
             progress(f"run {r + 1}/{runs}: " + ", ".join(f"{v} {speeds[v][-1]:.1f}"

@@ -12,6 +12,7 @@ than every bucket -- runs eagerly, as rung 3's runner does.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import types
 
@@ -46,6 +47,7 @@ class CompiledRunner(ModelRunner):
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
         # (set again in ``call``: dynamo's settings are each thread's own)
         self.recompile_limit = len(buckets) + 2
+        self._limit_set = threading.local()      # on this thread already: no config read a step
         # the C++ backend's attention operator where it serves these pools (ops.py)
         self.native = isinstance(backend, CppAttention) and backend.serves_step(self.pool.caches)
         self.graph = with_own_code(DecodeGraph(self.net, self.native))
@@ -97,8 +99,10 @@ class CompiledRunner(ModelRunner):
 
     def call(self, bucket: int, ids, pos, ctx: StepContext) -> torch.Tensor:
         """The compiled step on ``bucket`` rows; the first call of a bucket compiles it."""
-        if torch._dynamo.config.recompile_limit < self.recompile_limit:
-            torch._dynamo.config.recompile_limit = self.recompile_limit
+        if not getattr(self._limit_set, "done", False):
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, self.recompile_limit)
+            self._limit_set.done = True
         first = bucket not in self.compile_s
         if first:
             self.progress(f"compiling the decode step for batch {bucket} (buckets "
