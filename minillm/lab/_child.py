@@ -40,7 +40,11 @@ def main() -> int:
     sys.stdout = sys.stderr
     requests = sys.stdin.buffer
     import torch
-    torch.set_num_threads(2)
+    # two threads whatever the machine has, or OMP_NUM_THREADS where it is set: `make test`'s
+    # workers share two cores, one thread each, and a grading's teams of two spun on each
+    # other's cores (exercise 03's reference grading: 9.3 s of CPU, 8.6 s with one thread each)
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(n) if n.isdigit() and int(n) > 0 else 2)
     # The student's modules first: a file that ends this process at import ends it here, before
     # the "ready" frame, and the teacher's side then knows not to start it again for every call.
     # One that raises is reported by the first call that imports it, with its traceback.

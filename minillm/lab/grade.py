@@ -112,6 +112,10 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     env = {k: v for k, v in os.environ.items() if k != "MINILLM_LABWORK_FILES"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")     # no stale .pyc of a student's file
+    # only the plugins the grading names (its Recorder): pytest marks every module of an
+    # autoloaded plugin's package for assertion rewriting, and with no bytecode written it
+    # rewrote ~120 (hypothesis's) in every grading, ~2 s of its CPU
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     env["MINILLM_LAB_STUDENT"] = os.pathsep.join(f"{m}={f}" for m, f in files.items())
     env["MINILLM_LAB_CALL_LIMIT_S"] = str(test_limit_s)
     isolated = jail.isolation()
@@ -157,8 +161,13 @@ def _run_grader(grader: Path, env: dict, tmp: str, secret: str, timeout: float,
     via_pipe = os.name == "posix"
     r, w = os.pipe() if via_pipe else (None, None)
     results = str(w) if via_pipe else str(Path(tmp) / "results")
+    # a configuration of its own, empty: not the pytest settings of whatever pyproject.toml lies
+    # above the grader (a handout's is the students' to edit; the project's names a plugin's
+    # options that a grading, loading no plugin, would warn about in every report)
+    ini = Path(tmp) / "pytest.ini"
+    ini.write_text("[pytest]\n")
     cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), results,
-           str(test_limit_s), str(grader.resolve()), "--", "-q", "--tb=short",
+           str(test_limit_s), str(grader.resolve()), "--", "-q", "--tb=short", "-c", str(ini),
            "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", "--rootdir",
            str(grader.resolve().parent), "-W", "ignore::DeprecationWarning", *pytest_args]
     out = subprocess.PIPE if capture else None

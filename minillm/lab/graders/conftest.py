@@ -1,10 +1,14 @@
 """Fixtures of the graders: the tiny random Llama (fp32, so token equality is exact)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# as the student's process does (minillm/lab/_child.py): OMP_NUM_THREADS where set, else two
+_n = os.environ.get("OMP_NUM_THREADS", "")
+torch.set_num_threads(int(_n) if _n.isdigit() and int(_n) > 0 else 2)
 
 
 @pytest.fixture(scope="session")
