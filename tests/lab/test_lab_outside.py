@@ -355,3 +355,32 @@ def test_a_process_that_ends_at_import_is_started_once_and_one_that_ends_in_a_ca
         assert student.run(probes.ok) == 2
     finally:
         student.close()
+
+
+CONFIG_PROBE = '''
+OUTSIDE = True   # judges nothing of the student's: it reports the grading process's own pytest
+
+
+def test_the_grading_s_own_configuration(request):
+    config = request.config
+    names = {name for name, _ in config.pluginmanager.list_name_plugin()}
+    assert not names & {"hypothesispytest", "xdist", "timeout", "anyio", "platformdirs"}, names
+    assert config.inipath is not None and config.inipath.name == "pytest.ini", config.inipath
+    assert not [m for m in config.getini("markers") if m.startswith("mine")]
+'''
+
+
+def test_a_grading_loads_no_plugin_and_no_pyproject_settings(tmp_path):
+    """The grading process autoloads no pytest plugin (pytest would rewrite the asserts of every
+    module of each plugin's package, with no bytecode written: ~3 s of every grading) and reads an
+    empty pytest.ini of its own, not the settings of a pyproject.toml above the grader (a
+    handout's is the students' to edit; the project's names pytest-timeout's options)."""
+    graders = tmp_path / "graders"
+    graders.mkdir()
+    (graders / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["mine: x"]\n'
+                                            'addopts = "-p no:python"\n')
+    ex = EXERCISES["03"]
+    (graders / ex.grader.name).write_text(CONFIG_PROBE)
+    done = check(ex, None, (), capture=True, graders=graders)
+    assert outcome(done, "own_configuration") == "passed", done.stdout[-3000:]
+    assert "PytestConfigWarning" not in done.stdout, done.stdout[-3000:]
