@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import hmac
-import json
 import os
 import secrets
 import subprocess
-import sys
 import tempfile
-import threading
 from pathlib import Path
 
-from . import flags, jail
+from . import flags, grading, jail
 from .exercises import Exercise
 from .skeleton import make_skeleton
 
@@ -84,11 +80,22 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     """Run ``ex``'s grader with ``path`` (a student's file; None: the package's own code) standing
     in for the module. Returns the finished process whose ``returncode`` is the verdict (0 =
     passed), decided here from the grading process's results (``verdict``); ``stdout`` ends with
-    the verdict's reason when captured. ``timeout``: the whole grading; ``test_limit_s``: each test,
-    and each call into the student's process. ``graders``: a folder holding ``test_<id>.py`` and
+    the verdict's reason when captured. ``timeout``: the grading (and, apart, the grading
+    process's start); ``test_limit_s``: each test, and each call into the student's process. ``graders``: a folder holding ``test_<id>.py`` and
     its ``conftest.py`` (a teacher's, for a handout without them); ``also``: more stand-ins,
     module -> file (a student's other exercises, in a handout). ``done.results``: (test ids
     collected, {test id: (outcome, detail)}); ``done.review``: ``flags.review`` of the file."""
+    return check_many(ex, [path], pytest_args, timeout, capture, test_limit_s, graders, also)[0]
+
+
+def check_many(ex: Exercise, paths: list[Path | None], pytest_args: tuple[str, ...] = (),
+               timeout: int = 1200, capture: bool = False, test_limit_s: float = 300.0,
+               graders: Path | None = None, also: dict[str, Path] | None = None,
+               on_graded=None) -> list[subprocess.CompletedProcess]:
+    """``check`` for each of ``paths`` in turn, in one grading process (``grading.py``: each
+    file with a student process of its own; the process's start paid once). ``timeout``: each
+    file's grading. One ``check`` result per path, in order; ``on_graded(i)`` as the grading of
+    ``paths[i]`` ends (a progress line; the verdicts come once all are graded)."""
     shipped = PACKAGE_ROOT / SHIPPED_GRADERS       # a handout made with --with-graders
     if graders is None and not ex.grader.exists() and shipped.is_dir():
         graders = shipped
@@ -96,18 +103,29 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     if not grader.exists():
         raise SystemExit(f"no grader {grader}: this copy has none (a handout?): your teacher "
                          f"grades with theirs, or pass --graders FOLDER")
-    if path is not None and not Path(path).exists():
-        raise SystemExit(f"{Path(path).resolve()} does not exist: run `python -m minillm.lab start "
-                         f"{ex.id}` first (or pass --file)")
-    files = _stand_ins(ex, path, also)
-    for f in files.values():
-        if (why := flags.syntax_error(f)) is not None:
-            return _refused([], f"{f.name}: {why}", capture)
+    for path in paths:
+        if path is not None and not Path(path).exists():
+            raise SystemExit(f"{Path(path).resolve()} does not exist: run `python -m minillm.lab "
+                             f"start {ex.id}` first (or pass --file)")
     if not judged_outside(grader):
         raise SystemExit(f"{grader} does not judge outside the student's process (no `OUTSIDE = "
                          "True`): its tests would run the student's code in the grading process, "
                          "where nothing it reports can be believed. Write it with "
                          "`student.run(probe, ...)` (see minillm/lab/sandbox.py)")
+    done: list = [None] * len(paths)
+    runs: dict[str, dict] = {}
+    for i, path in enumerate(paths):
+        files = _stand_ins(ex, path, also)
+        why = next((f"{f.name}: {w}" for f in files.values()
+                    if (w := flags.syntax_error(f)) is not None), None)
+        if why is not None:
+            done[i] = _refused([], why, capture)
+        else:       # MINILLM_LAB_RUN: on every process the run's student starts (jail.kill_marked)
+            runs[str(i)] = {"MINILLM_LAB_STUDENT": os.pathsep.join(f"{m}={f}"
+                                                                    for m, f in files.items()),
+                            "MINILLM_LAB_RUN": secrets.token_hex(8)}
+    if not runs:
+        return done
     # a notebook's labwork.use() must not stand the student's files in for the grader's reference
     env = {k: v for k, v in os.environ.items() if k != "MINILLM_LABWORK_FILES"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
@@ -116,7 +134,6 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     # autoloaded plugin's package for assertion rewriting, and with no bytecode written it
     # rewrote ~120 (hypothesis's) in every grading, ~2 s of its CPU
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    env["MINILLM_LAB_STUDENT"] = os.pathsep.join(f"{m}={f}" for m, f in files.items())
     env["MINILLM_LAB_CALL_LIMIT_S"] = str(test_limit_s)
     isolated = jail.isolation()
     env[jail.ENV] = "required" if isolated[0] else "off"     # the grader's student: the same
@@ -125,26 +142,34 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
         env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(Path(tmp) / ".hypothesis")   # no litter
         env["TMPDIR"] = tmp                  # the student's folders too: removed with this one
-        env["MINILLM_LAB_RUN"] = run = secrets.token_hex(8)
-        done, late, text = _run_grader(grader, env, tmp, secret, timeout, test_limit_s,
-                                       pytest_args, capture)
-        jail.kill_marked(f"MINILLM_LAB_RUN={run}:", exact=False)   # whatever was left behind
-        done.results = read_results(text, secret.encode())
-        why = late or verdict(done.results, ex, path)
+        graded = grading.run_graders(grader, runs, env, tmp, secret, timeout, test_limit_s,
+                                     pytest_args, capture,
+                                     on_graded and (lambda tag: on_graded(int(tag))))
+        for run in runs.values():            # whatever was left behind
+            jail.kill_marked(f"MINILLM_LAB_RUN={run['MINILLM_LAB_RUN']}:", exact=False)
     after = teacher_files(grader, ex.source_path)
-    changed = [f for f in set(before) | set(after) if before.get(f) != after.get(f)]
-    done.tampered = sorted(changed)
-    if changed:
-        why = (f"the teacher's files changed during this grading ({', '.join(sorted(changed)[:3])}"
+    changed = sorted(f for f in set(before) | set(after) if before.get(f) != after.get(f))
+    for tag, (proc, late, results) in graded.items():
+        proc.results, proc.tampered, proc.isolated = results, changed, isolated
+        done[int(tag)] = _judged(ex, paths[int(tag)], proc, late, capture)
+    return done
+
+
+def _judged(ex: Exercise, path: Path | None, done: subprocess.CompletedProcess,
+            late: str | None, capture: bool) -> subprocess.CompletedProcess:
+    """The verdict on one file from its run's results, the review of its lines and whether the
+    teacher's files stayed as they were: written at the end of ``stdout`` (or printed)."""
+    why = late or verdict(done.results, ex, path)
+    if done.tampered:
+        why = (f"the teacher's files changed during this grading ({', '.join(done.tampered[:3])}"
                "): the grading cannot be trusted, nor the next ones until they are restored")
-    done.isolated = isolated
     done.review = flags.review(ex.source_path, Path(path), ex.functions) if path is not None \
         else {"copy": None, "why": "", "lines": []}
     if why is None and done.review["copy"] is not None:
         why = (f"a near-copy of the package's own {ex.file_name}, not a solution: "
                f"{done.review['why']}")
     note = format_review(done.review)
-    note += f"\nisolated: {'yes' if isolated[0] else 'no'} ({isolated[1]})"
+    note += f"\nisolated: {'yes' if done.isolated[0] else 'no'} ({done.isolated[1]})"
     note += f"\nverdict: {'passed' if why is None else 'not passed: ' + why}\n"
     if capture:
         done.stdout = (done.stdout or "") + note
@@ -152,60 +177,6 @@ def check(ex: Exercise, path: Path | None = None, pytest_args: tuple[str, ...] =
         print(note, end="")
     done.returncode = 0 if why is None else 1
     return done
-
-
-def _run_grader(grader: Path, env: dict, tmp: str, secret: str, timeout: float,
-                test_limit_s: float, pytest_args: tuple, capture: bool):
-    """The grading process, its results read from a pipe only it holds (a file on Windows); its
-    process group killed when it ends, in time or not. (done, why late or None, results text)."""
-    via_pipe = os.name == "posix"
-    r, w = os.pipe() if via_pipe else (None, None)
-    results = str(w) if via_pipe else str(Path(tmp) / "results")
-    # a configuration of its own, empty: not the pytest settings of whatever pyproject.toml lies
-    # above the grader (a handout's is the students' to edit; the project's names a plugin's
-    # options that a grading, loading no plugin, would warn about in every report)
-    ini = Path(tmp) / "pytest.ini"
-    ini.write_text("[pytest]\n")
-    cmd = [sys.executable, str(Path(__file__).with_name("_bootstrap.py")), results,
-           str(test_limit_s), str(grader.resolve()), "--", "-q", "--tb=short", "-c", str(ini),
-           "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", "--rootdir",
-           str(grader.resolve().parent), "-W", "ignore::DeprecationWarning", *pytest_args]
-    out = subprocess.PIPE if capture else None
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp, text=True, stdin=subprocess.PIPE, stdout=out,
-                            stderr=out, **({"pass_fds": (w,), "start_new_session": True}
-                                           if via_pipe else {}))
-    lines: list[bytes] = []
-    if via_pipe:
-        os.close(w)
-        reader = threading.Thread(target=_read_bounded, args=(r, lines), daemon=True)
-        reader.start()
-    late = None
-    try:
-        stdout, stderr = proc.communicate(secret + "\n", timeout=timeout)
-    except subprocess.TimeoutExpired:
-        late = f"the grading ran past its time limit ({timeout} s)"
-        jail.kill_tree(proc, not via_pipe)
-        stdout, stderr = proc.communicate()
-    finally:
-        if via_pipe:
-            jail.kill_tree(proc, False)          # its group: nothing of it outlives it
-    if via_pipe:
-        reader.join(timeout=30)
-        text = b"".join(lines).decode(errors="replace")
-    else:
-        text = Path(results).read_text(encoding="utf-8") if Path(results).exists() else ""
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout or "", stderr or ""), late, text
-
-
-def _read_bounded(fd: int, into: list, most: int = 32 << 20) -> None:
-    """The results pipe, read to its end; past ``most`` bytes the rest is dropped (and the
-    lines then cannot be believed: the last one is cut)."""
-    size = 0
-    with os.fdopen(fd, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if size < most:
-                into.append(chunk[:most - size])
-            size += len(chunk)
 
 
 def teacher_files(grader: Path, *also: Path) -> dict[str, str]:
@@ -224,25 +195,6 @@ def format_review(review: dict) -> str:
         return ""
     rows = "".join(f"\n  line {n}: [{what}] {line}" for n, what, line in review["lines"][:20])
     return f"\nfor the teacher's review ({len(review['lines'])} line(s) reach into the machinery):{rows}"
-
-
-def read_results(text: str, key: bytes) -> tuple[list[str], dict] | str:
-    """(test ids collected, {test id: (outcome, detail)}) from the signed lines, or why they
-    cannot be believed."""
-    collected, outcomes = [], {}
-    for line in text.splitlines():
-        sig, _, msg = line.partition(" ")
-        good = hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(sig, good):
-            return "the grader's results were written over (a line is not the grader's)"
-        kind, nodeid, detail = json.loads(msg)
-        if kind == "collected":
-            collected = json.loads(detail)
-        elif nodeid in outcomes:                # a test has one outcome: a second is forged
-            return f"the grader's results were written over (a second outcome for {nodeid})"
-        else:
-            outcomes[nodeid] = (kind, detail)
-    return collected, outcomes
 
 
 def verdict(results: tuple[list[str], dict] | str, ex: Exercise,

@@ -4,7 +4,8 @@
     python -m minillm.lab handout ../student-repo           # the students' repository
 
 ``grade_class`` grades every student's files with this copy's graders and reference modules —
-each exercise on its own, the student's file standing in for its module — and writes a table,
+each exercise on its own, the student's file standing in for its module; one grading process per
+exercise for the whole class, a student process per student — and writes a table,
 a CSV and a JUnit XML: per student and exercise, the verdict, the tests passed out of the
 grader's tests (the points) and the reason. A student's folder is laid out as ``lab start``
 writes it (``alice/03/block_manager.py``). ``handout`` writes the repository students get: the
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .exercises import EXERCISES, Exercise
 from . import jail
-from .grade import PACKAGE_ROOT, check
+from .grade import PACKAGE_ROOT, check_many
 from .skeleton import make_skeleton
 
 # Teacher-only files: never in a handout (the graders are the hidden tests; the key is the key).
@@ -54,16 +55,13 @@ class Grade:
         return self.tests_passed / max(1, self.tests_total)
 
 
-def grade_one(student: str, ex: Exercise, folder: Path, limit_s: int) -> Grade:
-    path = folder / ex.id / ex.file_name
-    if not path.exists():
-        return Grade(student, ex.id, False, 0, 0, f"no {ex.id}/{ex.file_name}",
-                     isolated=jail.isolation()[0])
-    done = check(ex, path, capture=True, timeout=limit_s)
+def graded(student: str, ex: Exercise, done: subprocess.CompletedProcess) -> Grade:
+    """The row of ``student`` on ``ex`` from its ``check`` result."""
     if done.tampered:
-        raise SystemExit(f"grading stopped at {student}, exercise {ex.id}: the teacher's files "
-                         f"changed during it ({', '.join(done.tampered[:3])}); restore them (git "
-                         "status) before grading again, and read that student's file")
+        raise SystemExit(f"grading stopped at exercise {ex.id} ({student} or a student graded "
+                         f"with them): the teacher's files changed during it "
+                         f"({', '.join(done.tampered[:3])}); restore them (git status) before "
+                         "grading again, and read those students' files")
     reason = done.stdout.rsplit("verdict:", 1)[-1].strip()
     collected, outcomes = done.results if isinstance(done.results, tuple) else ([], {})
     ok = sum(1 for n in collected if outcomes.get(n, ("",))[0] == "passed")
@@ -71,6 +69,25 @@ def grade_one(student: str, ex: Exercise, folder: Path, limit_s: int) -> Grade:
     return Grade(student, ex.id, done.returncode == 0, ok, len(collected), reason, ran,
                  done.review["copy"] is not None, tuple(done.review["lines"]), done.isolated[0],
                  done.review.get("why", ""))
+
+
+def grade_exercise(ex: Exercise, folders: list[Path], limit_s: int,
+                   progress=print) -> dict[str, Grade]:
+    """Every student's file for ``ex`` graded in one grading process (``check_many``), each
+    with a student process of its own; a missing file gets its row without a grading."""
+    rows = {f.name: Grade(f.name, ex.id, False, 0, 0, f"no {ex.id}/{ex.file_name}",
+                          isolated=jail.isolation()[0])
+            for f in folders if not (f / ex.id / ex.file_name).exists()}
+    handed = [f for f in folders if f.name not in rows]
+    progress(f"exercise {ex.id}: grading {len(handed)} of {len(folders)} students…")
+    if handed:
+        count = iter(range(1, len(handed) + 1))
+        done = check_many(ex, [f / ex.id / ex.file_name for f in handed], capture=True,
+                          timeout=limit_s, on_graded=lambda i: progress(
+                              f"  [{next(count)}/{len(handed)}] {handed[i].name}: exercise "
+                              f"{ex.id} graded"))
+        rows |= {f.name: graded(f.name, ex, d) for f, d in zip(handed, done)}
+    return rows
 
 
 def grade_class(class_dir: Path, exercises: list[str], out: Path, limit_s: int = 1200,
@@ -88,11 +105,8 @@ def grade_class(class_dir: Path, exercises: list[str], out: Path, limit_s: int =
     if not students:
         raise SystemExit(f"{class_dir} has no student folders (one folder per student, laid "
                          "out as `lab start` writes: NAME/03/block_manager.py)")
-    grades = []
-    for i, folder in enumerate(students, 1):
-        for ex_id in exercises:
-            progress(f"[{i}/{len(students)}] {folder.name}: exercise {ex_id}…")
-            grades.append(grade_one(folder.name, EXERCISES[ex_id], folder, limit_s))
+    by_exercise = {e: grade_exercise(EXERCISES[e], students, limit_s, progress) for e in exercises}
+    grades = [by_exercise[e][folder.name] for folder in students for e in exercises]
     write_csv(grades, out.with_suffix(".csv"))
     write_junit(grades, out.with_suffix(".xml"))
     return grades

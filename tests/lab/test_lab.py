@@ -12,9 +12,10 @@ import pytest
 
 from minillm import lab
 from minillm.lab.exercises import EXERCISES
-from minillm.lab.grade import check, start
+from minillm.lab.grade import check, check_many, start
 from minillm.lab.questions import QUESTIONS, blocks_independent_vs_shared
 from minillm.lab.skeleton import make_skeleton
+from labtools import assert_grader_judges
 
 # One mistake students make, per exercise: (text in the reference, what they write instead).
 WRONG = {
@@ -171,31 +172,11 @@ def mistakes(ex_id: str) -> list[tuple[str, str, str | None]]:
     return found
 
 
-# One test item per grading (each starts a grader and a student process, 10-30 s): two xdist
-# workers share them out evenly, where one item per exercise (up to 160 s) left a worker idle.
-GRADINGS = [(ex_id, case) for ex_id in EXERCISES if ex_id in WRONG
-            for case in ["reference", "skeleton", *range(len(mistakes(ex_id)))]]
-
-
+# One test item per exercise: its files graded in one grading process (tests/labtools.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("ex_id, case", GRADINGS, ids=[f"{e}-{c}" for e, c in GRADINGS])
-def test_grader_passes_the_reference_and_fails_skeleton_and_mistakes(ex_id, case, tmp_path):
-    ex = EXERCISES[ex_id]
-    if case == "reference":
-        ok = check(ex, None, ("-x",), capture=True)    # the package's own code
-        assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-2000:]
-    elif case == "skeleton":
-        empty = check(ex, start(ex, tmp_path / "student"), ("-x",), capture=True)
-        assert empty.returncode != 0
-        assert "is not written yet" in empty.stdout, empty.stdout[-2000:]
-    else:
-        old, new, message = mistakes(ex_id)[case]
-        source = ex.source_path.read_text()
-        assert old in source, f"{ex_id}: the mistake {new!r} no longer applies"
-        wrong = grade(ex, tmp_path, source.replace(old, new))
-        assert wrong.returncode != 0, f"{ex_id}: the grader accepts {new!r}"
-        if message is not None:
-            assert message in wrong.stdout, wrong.stdout[-2000:]
+@pytest.mark.parametrize("ex_id", [ex_id for ex_id in EXERCISES if ex_id in WRONG])
+def test_grader_passes_the_reference_and_fails_skeleton_and_mistakes(ex_id, tmp_path):
+    assert_grader_judges(ex_id, mistakes(ex_id), tmp_path)
 
 
 def test_start_never_overwrites_a_students_work(tmp_path):
@@ -274,14 +255,19 @@ CHEATS = {   # run at the import of a blank skeleton of exercise 03: (code, the 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cheat", list(CHEATS))
-def test_generic_cheats_do_not_pass(cheat, tmp_path):
+def test_generic_cheats_do_not_pass(tmp_path):
+    """Each cheat after the ``__future__`` import of a blank skeleton, graded together."""
     ex = EXERCISES["03"]
-    code, why = CHEATS[cheat]
     head, sep, rest = skeleton("03", tmp_path).partition("from __future__ import annotations\n")
-    done = grade(ex, tmp_path, head + sep + code + rest)      # after the __future__ import
-    assert done.returncode != 0, f"{cheat}: passed\n{done.stdout[-2000:]}"
-    assert "verdict: not passed" in done.stdout and why in done.stdout, done.stdout[-2000:]
+    paths = []
+    for i, (code, _) in enumerate(CHEATS.values()):
+        paths.append(tmp_path / f"cheat{i}" / ex.file_name)
+        paths[-1].parent.mkdir()
+        paths[-1].write_text(head + sep + code + rest)
+    for cheat, done in zip(CHEATS, check_many(ex, paths, ("-x",), capture=True)):
+        assert done.returncode != 0, f"{cheat}: passed\n{done.stdout[-2000:]}"
+        assert "verdict: not passed" in done.stdout and CHEATS[cheat][1] in done.stdout, \
+            f"{cheat}:\n{done.stdout[-2000:]}"
 
 
 @pytest.mark.slow
@@ -298,9 +284,14 @@ def test_replacing_what_graders_compare_with_does_not_pass(tmp_path):
 @pytest.mark.slow
 def test_the_package_s_own_code_is_not_a_solution(tmp_path):
     ex = EXERCISES["03"]
-    for source, why in ((ex.source_path.read_text(), "near-copy"),                  # copied
-                        (f"exec(open({str(ex.source_path)!r}).read())\n", "package's own")):
-        done = grade(ex, tmp_path, source)
+    cases = ((ex.source_path.read_text(), "near-copy"),                               # copied
+             (f"exec(open({str(ex.source_path)!r}).read())\n", "package's own"))
+    paths = []
+    for i, (source, _) in enumerate(cases):
+        paths.append(tmp_path / f"copy{i}" / ex.file_name)
+        paths[-1].parent.mkdir()
+        paths[-1].write_text(source)
+    for (_, why), done in zip(cases, check_many(ex, paths, ("-x",), capture=True)):
         assert done.returncode != 0 and why in done.stdout, done.stdout[-2000:]
 
 
@@ -323,11 +314,16 @@ def test_a_scheduler_that_never_preempts_stops_at_the_time_limit(tmp_path):
 
 @pytest.mark.slow
 def test_the_same_wrong_solution_gets_the_same_verdict_every_time(tmp_path):
+    """Graded alone, then twice in one grading process (as a class is): nothing of one grading
+    stays in the process to change the next one's verdict."""
     ex = EXERCISES["03"]
-    source = ex.source_path.read_text().replace(*WRONG["03"])
-    verdicts = {grade(ex, tmp_path, source).stdout.rsplit("verdict:", 1)[1].strip()
-                for _ in range(3)}
+    alone = grade(ex, tmp_path, ex.source_path.read_text().replace(*WRONG["03"]))
+    path = tmp_path / ex.id / ex.file_name
+    runs = [alone, *check_many(ex, [path, path], ("-x",), capture=True)]
+    verdicts = {done.stdout.rsplit("verdict:", 1)[1].strip() for done in runs}
     assert len(verdicts) == 1 and next(iter(verdicts)).startswith("not passed"), verdicts
+    kinds = [(d.results[0], {n: k for n, (k, _) in d.results[1].items()}) for d in runs]
+    assert kinds[0] == kinds[1] == kinds[2], kinds
 
 
 def test_pytest_arguments_after_double_dash_wherever_it_falls(tmp_path, capsys):

@@ -264,7 +264,7 @@ def test_a_forged_second_outcome_is_not_believed():
     import hmac
     import json
 
-    from minillm.lab.grade import read_results
+    from minillm.lab.grading import read_results
     key = b"k"
     line = lambda *m: (hmac.new(key, json.dumps(list(m)).encode(), hashlib.sha256).hexdigest()
                        + " " + json.dumps(list(m)))

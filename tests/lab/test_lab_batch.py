@@ -1,0 +1,111 @@
+"""Several files graded in one grading process (``check_many``, as ``grade --class`` grades an
+exercise): each file gets its own output, results and verdict — the ones ``check`` gives it alone
+— and a file that ends the grading process, or runs past its time, leaves the files after it to
+a new process. A small grader of its own (``GRADER``) keeps these fast: its tests read what the
+student's module says and judge it, kept at module level as real graders keep answers (which a
+grading process that kept the grader's modules from one file to the next would judge the next
+file by)."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from minillm.lab.exercises import EXERCISES
+from minillm.lab.grade import check, check_many, start
+
+pytestmark = pytest.mark.slow
+EX = EXERCISES["01"]          # any exercise: the grader below replaces its own
+
+GRADER = '''
+import time
+
+OUTSIDE = True        # the student's module computes in the student's process
+
+
+def probe_answer() -> tuple:
+    from minillm.engines import padded
+    return getattr(padded, "ANSWER", None), getattr(padded, "SLEEP", 0)
+
+
+_GOT: dict = {}     # asked once per session and kept, as graders do: never for another student
+
+
+def answer(student) -> tuple:
+    if "answer" not in _GOT:
+        _GOT["answer"] = student.run(probe_answer)
+    return _GOT["answer"]
+
+
+def test_the_answer(student):
+    got, sleep = answer(student)
+    time.sleep(sleep)         # here, in the grading process: past a limit when asked to
+    assert got == "right", f"the module answers {got}"
+
+
+def test_the_answer_again(student):
+    assert answer(student)[0] == "right"
+'''
+
+
+@pytest.fixture
+def graders(tmp_path):
+    folder = tmp_path / "graders"
+    folder.mkdir()
+    (folder / EX.grader.name).write_text(GRADER)
+    shutil.copyfile(EX.grader.with_name("conftest.py"), folder / "conftest.py")
+    return folder
+
+
+def files(tmp_path, *tails: str) -> list:
+    """The exercise's skeleton (not a near-copy of the reference) with ``tail`` appended, one
+    file each."""
+    out = []
+    for i, tail in enumerate(tails):
+        path = start(EX, tmp_path / f"s{i}")
+        path.write_text(path.read_text() + "\n" + tail + "\n")
+        out.append(path)
+    return out
+
+
+def test_each_file_gets_its_own_output_and_the_verdict_it_gets_alone(tmp_path, graders):
+    paths = files(tmp_path, "ANSWER = 'right'", "ANSWER = 'AAA'", "ANSWER = 'BBB'",
+                  "def broken(:", "ANSWER = 'right'")
+    ended = []
+    done = check_many(EX, paths, capture=True, graders=graders, on_graded=ended.append)
+    assert [d.returncode for d in done] == [0, 1, 1, 1, 0]
+    assert ended == [0, 1, 2, 4], "one progress call per file graded, in order"
+    assert "AAA" in done[1].stdout and "BBB" not in done[1].stdout, done[1].stdout
+    assert "BBB" in done[2].stdout and "AAA" not in done[2].stdout, done[2].stdout
+    assert "syntax error, line" in done[3].stdout and done[3].results == ([], {})
+    for d in (done[0], done[4]):
+        assert "AAA" not in d.stdout and "BBB" not in d.stdout and "verdict: passed" in d.stdout
+    collected, outcomes = done[1].results
+    assert len(collected) == 2 and {k for k, _ in outcomes.values()} == {"failed"}
+    alone = check(EX, paths[1], capture=True, graders=graders)
+    assert alone.results == done[1].results and alone.returncode == 1
+
+
+def test_a_file_that_ends_the_grading_process_leaves_the_rest_to_a_new_one(tmp_path, graders):
+    """The second file's test sleeps past the test limit: ``faulthandler`` ends the grading
+    process in it; the third is graded by a new process, as it would be alone. (The limits here
+    are 5x what a loaded 2-core machine needs for a file that passes.)"""
+    paths = files(tmp_path, "ANSWER = 'right'", "ANSWER = 'right'\nSLEEP = 600",
+                  "ANSWER = 'right'")
+    done = check_many(EX, paths, capture=True, graders=graders, test_limit_s=60)
+    assert [d.returncode for d in done] == [0, 1, 0], [d.stdout[-800:] for d in done]
+    collected, outcomes = done[1].results
+    assert len(collected) == 2 and not outcomes, "the test past its limit has no outcome"
+    assert "did not finish" in done[1].stdout, done[1].stdout[-2000:]
+
+
+def test_a_file_past_its_time_is_stopped_and_the_next_still_graded(tmp_path, graders):
+    """Each file's ``timeout`` counts from its own start: the first sleeps past it and is
+    stopped (the process with it), the second is graded by a new process."""
+    paths = files(tmp_path, "ANSWER = 'right'\nSLEEP = 600", "ANSWER = 'right'")
+    t = time.monotonic()
+    done = check_many(EX, paths, capture=True, graders=graders, timeout=60)
+    assert [d.returncode for d in done] == [1, 0], [d.stdout[-800:] for d in done]
+    assert "ran past its time limit (60 s)" in done[0].stdout, done[0].stdout[-2000:]
+    assert time.monotonic() - t < 600, "the sleeping file was not stopped at its limit"
