@@ -158,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"arguments after -- are pytest's and only `check` takes them: {extra}")
     if args.command == "check":
         args.pytest_args = [*args.pytest_args, *extra]
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:     # the grading processes and the students' are killed by then
+        print(f"\ninterrupted: `lab {args.command}` stopped before it finished", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

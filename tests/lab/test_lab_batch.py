@@ -7,8 +7,13 @@ grading process that kept the grader's modules from one file to the next would j
 file by)."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +114,46 @@ def test_a_file_past_its_time_is_stopped_and_the_next_still_graded(tmp_path, gra
     assert [d.returncode for d in done] == [1, 0], [d.stdout[-800:] for d in done]
     assert "ran past its time limit (60 s)" in done[0].stdout, done[0].stdout[-2000:]
     assert time.monotonic() - t < 600, "the sleeping file was not stopped at its limit"
+
+
+def running(marker: bytes) -> list[str]:
+    """The processes whose command line holds ``marker`` (the grading's folders are in them)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_during_a_class_ends_it_leaving_nothing(tmp_path):
+    """SIGINT to ``lab grade --class`` once the first student is graded: it exits with 130 and a
+    line saying so, no process of the grading is left, and its temporary folders are gone."""
+    cls = tmp_path / "class"
+    for name in ("ann", "bob", "cat"):
+        path = start(EX, cls / name)
+        path.write_text(path.read_text() + "\nimport time\ntime.sleep(600)\n" * (name != "ann"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "MINILLM_LAB_IMPORT_LIMIT_S": "300"}
+    proc = subprocess.Popen([sys.executable, "-m", "minillm.lab", "grade", "--class", str(cls),
+                             "--exercises", EX.id, "--out", str(tmp_path / "grades"),
+                             "--allow-unisolated"], env=env, cwd=Path(__file__).parents[2],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a background job's SIGINT is ignored: the CLI's must not be
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:                 # ann's verdict, then bob's hangs at import
+            if "ann: exercise" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted: `lab grade` stopped" in err, err[-2000:]
+    assert not (tmp_path / "grades.csv").exists()
+    assert not running(str(tmp).encode()), "a process of the grading left running"
+    assert list(tmp.iterdir()) == [], "a temporary folder left behind"
