@@ -37,7 +37,8 @@ class Recorder:
 
     def grade(self, tag: str, env: dict, pytest_argv: list[str], mark: str | None) -> int:
         """One run: its student (``env``: the file standing in, the run's marker), the grader
-        over it, and whatever its student's process left killed before the next run begins."""
+        over it. The run's student process ends with its session (the ``student`` fixture's
+        ``close`` kills it and whatever it started) before the next run begins."""
         forget_grader(pytest_argv[0])
         os.environ.update(env)
         if mark:                     # where this run's share of the output starts
@@ -47,8 +48,6 @@ class Recorder:
         try:
             return int(pytest.main(list(pytest_argv), plugins=[self]))
         finally:
-            if env.get("MINILLM_LAB_RUN"):
-                _jail().kill_marked(f"MINILLM_LAB_RUN={env['MINILLM_LAB_RUN']}:", exact=False)
             gc.collect()             # its session's fixtures (a model, an engine) before the next
             self._write("end", tag)
 
@@ -87,20 +86,6 @@ def forget_grader(grader: str) -> None:
             del sys.modules[name]
 
 
-def _jail():
-    """``jail.py`` from this folder, by its path: it imports only the standard library. Never
-    ``import minillm`` here: which package is the reference is the grader's to decide (a handout
-    graded with the teacher's graders imports the teacher's, found beside the graders)."""
-    if "_minillm_lab_jail" not in sys.modules:
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(
-            "_minillm_lab_jail", os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["_minillm_lab_jail"] = module
-    return sys.modules["_minillm_lab_jail"]
-
-
 def main(argv: list[str]) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:
@@ -109,7 +94,7 @@ def main(argv: list[str]) -> int:
         import ctypes
         ctypes.CDLL("libc.so.6").prctl(4, 0, 0, 0, 0)          # PR_SET_DUMPABLE: 0
     secret = sys.stdin.buffer.readline().strip()
-    plan = json.loads(sys.stdin.buffer.readline() or b'{"runs": [{"tag": "0", "env": {}}]}')
+    plan = json.loads(sys.stdin.buffer.readline())
     sys.stdin.close()
     results, limit_s, grader = argv[0], float(argv[1]), argv[2]
     pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []

@@ -173,32 +173,42 @@ def read_runs(text: str, key: bytes,
               tags: list[str]) -> dict[str, tuple[list[str], dict] | str]:
     """The results (``read_results``) of each run that began, by tag, from the signed lines; a
     line that is not the grader's voids every run of ``tags`` (nobody can say whose it was)."""
-    tag, per_run = None, {}
-    for line in text.splitlines():
-        sig, _, msg = line.partition(" ")
-        good = hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(sig, good):
-            return {t: "the grader's results were written over (a line is not the grader's)"
-                    for t in tags}
-        kind, nodeid, _ = json.loads(msg)
+    messages = _verified(text, key)
+    if isinstance(messages, str):
+        return {t: messages for t in tags}
+    per_run: dict[str, list] = {}
+    run: list | None = None
+    for kind, nodeid, detail in messages:
         if kind == "begin":
-            tag = nodeid
-            per_run[tag] = []
-        elif tag is not None and kind != "end":
-            per_run[tag].append(line)
-    return {t: read_results("\n".join(lines), key) for t, lines in per_run.items()}
+            run = per_run[nodeid] = []
+        elif kind != "end" and run is not None:
+            run.append((kind, nodeid, detail))
+    return {t: _outcomes(m) for t, m in per_run.items()}
 
 
 def read_results(text: str, key: bytes) -> tuple[list[str], dict] | str:
     """(test ids collected, {test id: (outcome, detail)}) from one run's signed lines, or why
     they cannot be believed."""
-    collected, outcomes = [], {}
+    messages = _verified(text, key)
+    return messages if isinstance(messages, str) else _outcomes(messages)
+
+
+def _verified(text: str, key: bytes) -> list[tuple[str, str, str]] | str:
+    """Each line's message, [kind, test id, detail], once its signature is checked; or why the
+    lines cannot be believed."""
+    messages = []
     for line in text.splitlines():
         sig, _, msg = line.partition(" ")
         good = hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
         if not hmac.compare_digest(sig, good):
             return "the grader's results were written over (a line is not the grader's)"
-        kind, nodeid, detail = json.loads(msg)
+        messages.append(tuple(json.loads(msg)))
+    return messages
+
+
+def _outcomes(messages: list[tuple[str, str, str]]) -> tuple[list[str], dict] | str:
+    collected, outcomes = [], {}
+    for kind, nodeid, detail in messages:
         if kind == "collected":
             collected = json.loads(detail)
         elif nodeid in outcomes:                # a test has one outcome: a second is forged

@@ -15,7 +15,7 @@ from minillm.lab.exercises import EXERCISES
 from minillm.lab.grade import check, check_many, start
 from minillm.lab.questions import QUESTIONS, blocks_independent_vs_shared
 from minillm.lab.skeleton import make_skeleton
-from labtools import assert_grader_judges
+from labtools import assert_grader_judges, grade_sources
 
 # One mistake students make, per exercise: (text in the reference, what they write instead).
 WRONG = {
@@ -257,14 +257,10 @@ CHEATS = {   # run at the import of a blank skeleton of exercise 03: (code, the 
 @pytest.mark.slow
 def test_generic_cheats_do_not_pass(tmp_path):
     """Each cheat after the ``__future__`` import of a blank skeleton, graded together."""
-    ex = EXERCISES["03"]
     head, sep, rest = skeleton("03", tmp_path).partition("from __future__ import annotations\n")
-    paths = []
-    for i, (code, _) in enumerate(CHEATS.values()):
-        paths.append(tmp_path / f"cheat{i}" / ex.file_name)
-        paths[-1].parent.mkdir()
-        paths[-1].write_text(head + sep + code + rest)
-    for cheat, done in zip(CHEATS, check_many(ex, paths, ("-x",), capture=True)):
+    graded = grade_sources("03", tmp_path, [head + sep + code + rest for code, _ in CHEATS.values()],
+                           "-x")
+    for cheat, done in zip(CHEATS, graded):
         assert done.returncode != 0, f"{cheat}: passed\n{done.stdout[-2000:]}"
         assert "verdict: not passed" in done.stdout and CHEATS[cheat][1] in done.stdout, \
             f"{cheat}:\n{done.stdout[-2000:]}"
@@ -286,12 +282,7 @@ def test_the_package_s_own_code_is_not_a_solution(tmp_path):
     ex = EXERCISES["03"]
     cases = ((ex.source_path.read_text(), "near-copy"),                               # copied
              (f"exec(open({str(ex.source_path)!r}).read())\n", "package's own"))
-    paths = []
-    for i, (source, _) in enumerate(cases):
-        paths.append(tmp_path / f"copy{i}" / ex.file_name)
-        paths[-1].parent.mkdir()
-        paths[-1].write_text(source)
-    for (_, why), done in zip(cases, check_many(ex, paths, ("-x",), capture=True)):
+    for (_, why), done in zip(cases, grade_sources("03", tmp_path, [c for c, _ in cases], "-x")):
         assert done.returncode != 0 and why in done.stdout, done.stdout[-2000:]
 
 

@@ -12,8 +12,9 @@ import re
 import pytest
 
 from minillm.lab.exercises import EXERCISES
-from minillm.lab.grade import check, check_many, start
+from minillm.lab.grade import check, start
 from minillm.lab.sandbox import PACKAGE
+from labtools import grade_sources
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +39,6 @@ def grade(ex_id: str, tmp_path, source: str, *pytest_args: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
     return check(ex, path, pytest_args, capture=True)
-
-
-def grade_many(ex_id: str, tmp_path, sources: list[str], *pytest_args: str):
-    """``sources`` graded in one grading process (``check_many``), each as a student's file."""
-    ex = EXERCISES[ex_id]
-    paths = []
-    for i, source in enumerate(sources):
-        paths.append(tmp_path / f"{ex_id}-{i}" / ex.file_name)
-        paths[-1].parent.mkdir(parents=True)
-        paths[-1].write_text(source)
-    return check_many(ex, paths, pytest_args, capture=True)
 
 
 def outcome(done, test: str) -> str:
@@ -119,7 +109,7 @@ CHEATS = {   # kind -> (exercise, source builder, what the reason must say)
 def test_each_cheat_is_rejected_with_its_reason(ex_id, tmp_path):
     """The cheats on one exercise graded together, as a class is (the first failure says why)."""
     kinds = [k for k, (e, _, _) in CHEATS.items() if e == ex_id]
-    graded = grade_many(ex_id, tmp_path, [CHEATS[k][1](tmp_path) for k in kinds], "-x")
+    graded = grade_sources(ex_id, tmp_path, [CHEATS[k][1](tmp_path) for k in kinds], "-x")
     for kind, done in zip(kinds, graded):
         assert done.returncode != 0, f"{kind} passed exercise {ex_id}:\n{done.stdout[-3000:]}"
         assert CHEATS[kind][2] in done.stdout, f"{kind}:\n{done.stdout[-3000:]}"
@@ -159,7 +149,7 @@ HOLES_08 = {   # wrong solutions of exercise 08 that a grader must not pass
 def test_wrong_policies_the_old_grader_passed_now_fail(tmp_path):
     for hole, (old, new) in HOLES_08.items():
         assert old in reference("08"), f"{hole}: the mistake no longer applies"
-    graded = grade_many("08", tmp_path, [reference("08").replace(old, new, 1)
+    graded = grade_sources("08", tmp_path, [reference("08").replace(old, new, 1)
                                          for old, new in HOLES_08.values()],
                         "-k", "strict_preemption")
     for hole, done in zip(HOLES_08, graded):
