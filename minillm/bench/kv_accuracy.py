@@ -96,13 +96,19 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 
 
 def measure(model, dtypes=KV_CACHE_DTYPES, num_prompts: int = 32, max_tokens: int = 64,
-            progress=print, **options) -> list[dict]:
-    """One row per dtype (``auto`` first: the reference every other row is compared with)."""
+            progress=print, passage_tokens: int | None = None, **options) -> list[dict]:
+    """One row per dtype (``auto`` first: the reference every other row is compared with);
+    ``passage_tokens``: KL and perplexity over the passage's first tokens only (all by default;
+    notebook 09's quick run takes 64)."""
     from ..workload import load_prompts
 
+    if passage_tokens is not None and (isinstance(passage_tokens, bool)
+                                       or not isinstance(passage_tokens, int) or passage_tokens < 2):
+        raise ValueError(f"passage_tokens must be an int >= 2 (a next token to predict), "
+                         f"got {passage_tokens!r}")
     dtypes = ["auto"] + [d for d in dtypes if d != "auto"]
     prompts = [{"messages": p["messages"]} for p in load_prompts()[:num_prompts]]
-    ids = model.tokenizer.encode(PASSAGE.read_text(encoding="utf-8"))
+    ids = model.tokenizer.encode(PASSAGE.read_text(encoding="utf-8"))[:passage_tokens]
     rows, ref_lp, ref_out = [], None, None
     for name in dtypes:
         lp = passage_logprobs(model, ids, name)
@@ -141,14 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default=",".join(KV_CACHE_DTYPES))
     p.add_argument("--prompts", type=int, default=32, help="bundled chat prompts (greedy)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--passage-tokens", type=int, default=None,
+                   help="KL and perplexity over the passage's first N tokens (default: all)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     for d in args.dtypes.split(","):
         get_format(d)                       # an unknown name: its error, before any work
+    if args.passage_tokens is not None and args.passage_tokens < 2:
+        p.error(f"--passage-tokens must be >= 2 (a next token to predict), got {args.passage_tokens}")
     model = load_model(args.model)
     print(f"{args.model}: {args.prompts} chat prompts x {args.max_tokens} greedy tokens, "
           f"passage {PASSAGE.name}; reference: the model's dtype ({model.dtype})")
-    rows = measure(model, args.dtypes.split(","), args.prompts, args.max_tokens)
+    rows = measure(model, args.dtypes.split(","), args.prompts, args.max_tokens,
+                   passage_tokens=args.passage_tokens)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"rows -> {args.json}")

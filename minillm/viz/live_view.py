@@ -21,6 +21,7 @@ from html import escape as html_escape
 from matplotlib.figure import Figure
 
 from ..memory import KVCounts, MemorySnapshot
+from .notebook import quick_mode
 from .plots import live_figure, render_png
 
 LIVE_CLASS = "minillm-live-figure"          # the live widget's image element
@@ -56,8 +57,11 @@ class LiveMemoryView:
         # or: display(view); result = llm.run(requests, on_step=view); view.finish()
 
     ``every``: redraw every k-th step; ``min_interval_s``: but never more often than this, so
-    drawing (~0.1-0.2 s a frame) never dominates a fast engine: the run's wall-clock time includes
-    it, its ``StepRecord`` forward times do not. ``snapshots``/``records`` keep every step.
+    drawing (~0.1-0.3 s a frame) never dominates a fast engine: the run's wall-clock time includes
+    it, its ``StepRecord`` forward times do not. ``snapshots``/``records`` keep every step. In
+    quick mode (``MINILLM_QUICK=1``: the tests, CI) only the final frame is drawn: the frames in
+    between are the same drawing of earlier steps, and they were a third of a quick notebook's
+    run (notebook 08's policies: ~6 s of 25).
     """
 
     def __init__(self, every: int = 1, min_interval_s: float = 1.0, title: str = "",
@@ -68,8 +72,10 @@ class LiveMemoryView:
         self.records: list = []
         self.counts: list[KVCounts] = []
         self._last_draw = -1e9
+        self.draws_while_running = not quick_mode()
         self._ui = None
         self._fig = None
+        self._png: tuple = (None, b"")        # (frame key, PNG bytes) of the last frame rendered
 
     # called by Engine.run after every step
     def __call__(self, snapshot: MemorySnapshot, record=None) -> None:
@@ -78,7 +84,8 @@ class LiveMemoryView:
         self.counts.append(snapshot.counts)
         i = len(self.snapshots) - 1
         now = time.perf_counter()
-        if self._ui is not None and i % self.every == 0 and now - self._last_draw >= self.min_interval_s:
+        if (self._ui is not None and self.draws_while_running and i % self.every == 0
+                and now - self._last_draw >= self.min_interval_s):
             try:
                 self.show(i)
             except Exception as e:   # a drawing problem must never stop the engine
@@ -97,8 +104,16 @@ class LiveMemoryView:
         """The last busy step's picture, for pages that cannot run the widget."""
         i = self.last_busy()
         name = self.title or self.snapshots[i].engine
-        return StaticFigure(render_png(self.figure(i), self.dpi),
-                            f"{name}: KV memory at step {self.snapshots[i].step}")
+        return StaticFigure(self.render(i), f"{name}: KV memory at step {self.snapshots[i].step}")
+
+    def render(self, i: int) -> bytes:
+        """Frame ``i`` as PNG. The last one is kept: ``finish`` shows the same frame twice (the
+        static picture and the widget), and a frame depends on every snapshot so far."""
+        key = (i, len(self.snapshots))
+        if self._png[0] != key:
+            self._fig = self.figure(i, self._fig)
+            self._png = (key, render_png(self._fig, self.dpi))
+        return self._png[1]
 
     def _finish_widget(self) -> "LiveMemoryView":
         if self._ui is not None and self.snapshots:
@@ -134,9 +149,8 @@ class LiveMemoryView:
                            self.title)
 
     def show(self, i: int) -> None:
-        self._fig = self.figure(i, self._fig)
         ui = self._ui
-        ui["image"].value = render_png(self._fig, self.dpi)
+        ui["image"].value = self.render(i)
         ui["slider"].unobserve(self._on_slide, names="value")
         ui["slider"].max = max(0, len(self.snapshots) - 1)
         ui["slider"].value = i

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,16 @@ def test_the_answer_again(student):
 '''
 
 
-@pytest.fixture
-def graders(tmp_path):
-    folder = tmp_path / "graders"
+def write_graders(folder: Path) -> Path:
     folder.mkdir()
     (folder / EX.grader.name).write_text(GRADER)
     shutil.copyfile(EX.grader.with_name("conftest.py"), folder / "conftest.py")
     return folder
+
+
+@pytest.fixture
+def graders(tmp_path):
+    return write_graders(tmp_path / "graders")
 
 
 def files(tmp_path, *tails: str) -> list:
@@ -92,28 +96,47 @@ def test_each_file_gets_its_own_output_and_the_verdict_it_gets_alone(tmp_path, g
     assert alone.results == done[1].results and alone.returncode == 1
 
 
-def test_a_file_that_ends_the_grading_process_leaves_the_rest_to_a_new_one(tmp_path, graders):
-    """The second file's test sleeps past the test limit: ``faulthandler`` ends the grading
-    process in it; the third is graded by a new process, as it would be alone. (The limits here
-    are 5x what a loaded 2-core machine needs for a file that passes.)"""
-    paths = files(tmp_path, "ANSWER = 'right'", "ANSWER = 'right'\nSLEEP = 600",
-                  "ANSWER = 'right'")
-    done = check_many(EX, paths, capture=True, graders=graders, test_limit_s=60)
+LIMIT_S = 60      # 5x what a loaded 2-core machine needs for a file that passes here
+
+
+@pytest.fixture(scope="module")
+def past_limits(tmp_path_factory) -> dict:
+    """The two limits, each graded by ``check_many`` in a thread of its own at the same time:
+    each waits out its limit with the CPU idle, which one after the other held a test worker for
+    two minutes. ``test limit``: the second file's test sleeps past the test limit, and
+    ``faulthandler`` ends the grading process in it. ``time limit``: the first file sleeps past
+    the file's own time limit and is stopped, the process with it."""
+    tmp = tmp_path_factory.mktemp("limits")
+    graders = write_graders(tmp / "graders")
+    calls = {"test limit": (files(tmp / "t", "ANSWER = 'right'", "ANSWER = 'right'\nSLEEP = 600",
+                                  "ANSWER = 'right'"), {"test_limit_s": LIMIT_S}),
+             "time limit": (files(tmp / "f", "ANSWER = 'right'\nSLEEP = 600", "ANSWER = 'right'"),
+                            {"timeout": LIMIT_S})}
+    t = time.monotonic()
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = {k: pool.submit(check_many, EX, paths, capture=True, graders=graders, **kw)
+                   for k, (paths, kw) in calls.items()}
+        done = {k: f.result() for k, f in futures.items()}
+    return {**done, "took_s": time.monotonic() - t}
+
+
+@pytest.mark.xdist_group("lab-batch-limits")      # one worker runs the fixture, once
+def test_a_file_that_ends_the_grading_process_leaves_the_rest_to_a_new_one(past_limits):
+    """The third file is graded by a new process, as it would be alone."""
+    done = past_limits["test limit"]
     assert [d.returncode for d in done] == [0, 1, 0], [d.stdout[-800:] for d in done]
     collected, outcomes = done[1].results
     assert len(collected) == 2 and not outcomes, "the test past its limit has no outcome"
     assert "did not finish" in done[1].stdout, done[1].stdout[-2000:]
 
 
-def test_a_file_past_its_time_is_stopped_and_the_next_still_graded(tmp_path, graders):
-    """Each file's ``timeout`` counts from its own start: the first sleeps past it and is
-    stopped (the process with it), the second is graded by a new process."""
-    paths = files(tmp_path, "ANSWER = 'right'\nSLEEP = 600", "ANSWER = 'right'")
-    t = time.monotonic()
-    done = check_many(EX, paths, capture=True, graders=graders, timeout=60)
+@pytest.mark.xdist_group("lab-batch-limits")
+def test_a_file_past_its_time_is_stopped_and_the_next_still_graded(past_limits):
+    """Each file's ``timeout`` counts from its own start: the second is graded by a new process."""
+    done = past_limits["time limit"]
     assert [d.returncode for d in done] == [1, 0], [d.stdout[-800:] for d in done]
-    assert "ran past its time limit (60 s)" in done[0].stdout, done[0].stdout[-2000:]
-    assert time.monotonic() - t < 600, "the sleeping file was not stopped at its limit"
+    assert f"ran past its time limit ({LIMIT_S} s)" in done[0].stdout, done[0].stdout[-2000:]
+    assert past_limits["took_s"] < 600, "the sleeping file was not stopped at its limit"
 
 
 def running(marker: bytes) -> list[str]:

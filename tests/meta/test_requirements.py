@@ -24,7 +24,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-pytestmark = pytest.mark.slow      # needs the network (uv resolves on PyPI): not in make test-fast
+# needs the network (uv resolves on PyPI): not in make test-fast; one xdist worker runs every
+# combination, so the module fixture resolves them once (on two workers it ran twice: 20-40 s)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pypi")]
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = "https://pypi.org/simple"

@@ -323,3 +323,21 @@ def test_int8_and_fp8_accuracy_is_within_what_was_measured(smol):
     assert rows["fp8"]["identical_share"] >= 0.12 and rows["fp8"]["kl_mean"] < 1e-2
     assert rows["fp8"]["perplexity"] < ppl * 1.03
     assert rows["int8"]["kl_mean"] < rows["fp8"]["kl_mean"]   # 7 bits beat e4m3's 3 + exponent
+
+
+def test_accuracy_over_the_passage_s_first_tokens(tiny):
+    """``passage_tokens`` (notebook 09's quick run): KL and perplexity over that many tokens of
+    the passage, equal to measuring with the passage cut there; a count that predicts nothing is
+    an error naming the parameter."""
+    from minillm.bench.kv_accuracy import PASSAGE, kl_and_perplexity, measure, passage_logprobs
+
+    rows = measure(tiny, ("int8",), num_prompts=1, max_tokens=2, progress=None,
+                   passage_tokens=24)
+    assert [r["passage_tokens"] for r in rows] == [24, 24]
+    ids = tiny.tokenizer.encode(PASSAGE.read_text(encoding="utf-8"))[:24]
+    ref, got = passage_logprobs(tiny, ids, "auto"), passage_logprobs(tiny, ids, "int8")
+    assert (rows[1]["kl_mean"], rows[1]["perplexity"]) == kl_and_perplexity(ref, got, ids)
+    for bad in (1, 0, True, "24", 2.5):
+        with pytest.raises(ValueError, match=r"passage_tokens must be an int >= 2.*got"):
+            measure(tiny, ("int8",), num_prompts=1, max_tokens=2, progress=None,
+                    passage_tokens=bad)

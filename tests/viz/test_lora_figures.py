@@ -66,6 +66,28 @@ def test_finish_leaves_the_last_frame_as_a_picture_hidden_beside_the_live_widget
     assert f".jp-OutputArea:has(.{LIVE_CLASS}) .{STATIC_CLASS}" in html and "display: none" in html
 
 
+@pytest.mark.parametrize("quick", ["", "1"])
+def test_frames_drawn_as_the_run_goes_but_in_quick_mode_the_last_only_once(tiny, monkeypatch,
+                                                                            quick):
+    """Each step draws its frame (``min_interval_s=0``), then ``finish`` draws the last busy one
+    once for both the static picture and the widget; quick mode (the tests' notebooks) draws only
+    that last one."""
+    monkeypatch.setenv("MINILLM_QUICK", quick)
+    monkeypatch.setattr("IPython.display.display", lambda *objs, **kw: None)
+    view = LiveMemoryView(min_interval_s=0)
+    view.widget()                                   # the live widget, as display(view) makes it
+    drawn, figure = [], view.figure
+    monkeypatch.setattr(view, "figure", lambda i=None, fig=None: drawn.append(i) or figure(i, fig))
+    llm = LLM(tiny, engine="paged")
+    view.watch(llm, llm.make_requests([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4,
+                                                                         ignore_eos=True)))
+    last, steps = view.last_busy(), len(view.snapshots)
+    assert last < steps - 1, "the run's last step holds no KV: its last busy frame is earlier"
+    assert drawn == ([last] if quick else [*range(steps), last]), drawn
+    status, image, slider = view.widget().children
+    assert image.value == view.static_figure().png and slider.value == last
+
+
 @pytest.mark.slow
 def test_plain_nbconvert_html_shows_the_live_view_s_picture(tmp_path):
     """``jupyter nbconvert --execute --to html`` with no minillm export settings: the live view's
