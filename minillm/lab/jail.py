@@ -114,10 +114,12 @@ def _python_dirs() -> list[str]:
 
 
 def plan(root: str, tree: str, argv: list[str], env: dict, hidden: tuple[str, ...] = (),
-         cwd: str = "/lab", uid: int | None = None) -> dict:
+         cwd: str = "/lab", uid: int | None = None,
+         shared: list[tuple[str, str]] | tuple = ()) -> dict:
     """What the jail holds: ``root`` (an empty folder: its mount point), ``tree`` read-only at
-    ``/lab``, the system and the Python environment read-only; ``hidden`` (the teacher's
-    repository) covered by an empty folder wherever a bound folder holds it."""
+    ``/lab``, the system and the Python environment read-only, each (folder, where) of
+    ``shared`` read-only (the compiled kernels: ``shared_kernels.py``); ``hidden`` (the
+    teacher's repository) covered by an empty folder wherever a bound folder holds it."""
     binds, links = [], []
     for d in SYSTEM:
         if os.path.islink(d):
@@ -130,6 +132,7 @@ def plan(root: str, tree: str, argv: list[str], env: dict, hidden: tuple[str, ..
             binds.append((d, d))
             covered.append(d)
     binds.append((tree, "/lab"))
+    binds.extend(shared)
     hide = [h for h in hidden if any(h.startswith(s.rstrip("/") + "/") or h == s
                                      for s, _ in binds)]
     lim = limits()

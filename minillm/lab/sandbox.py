@@ -38,7 +38,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from . import jail
+from . import jail, shared_kernels
 
 PACKAGE = Path(__file__).resolve().parents[1]           # the teacher's minillm/
 REPO = PACKAGE.parent                                   # its repository (.git included)
@@ -169,8 +169,10 @@ class Student:
                 str(self.inside / "_minillm_child.py")]
         if self.isolated:
             os.makedirs(os.path.join(self._tmp, "root"), exist_ok=True)
-            spec = jail.plan(os.path.join(self._tmp, "root"), str(self.root), argv, self._env(),
-                             hidden=(str(REPO),))
+            shared = shared_kernels.child_binds()
+            env = self._env() | ({"TORCH_EXTENSIONS_DIR": shared_kernels.INSIDE} if shared else {})
+            spec = jail.plan(os.path.join(self._tmp, "root"), str(self.root), argv, env,
+                             hidden=(str(REPO),), shared=shared)
             cmd, options = jail.command(spec), {"env": {"PATH": os.environ.get("PATH", "")}}
         else:
             cmd, options = argv, {"env": self._env(), "cwd": self.root, "start_new_session": True}

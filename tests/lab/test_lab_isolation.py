@@ -133,6 +133,40 @@ def test_the_student_s_process_has_no_privilege_and_bounded_resources(student):
     assert "MemoryError" in str(too_much), too_much
 
 
+KERNELS = """
+import os, torch
+from minillm import LLM
+from minillm.layers.attention import cpp
+llm = LLM("tiny-llama", engine="paged")
+ops = llm.engine.runner.net.ops
+try:
+    open("/extensions/planted", "w")
+    wrote = "wrote"
+except OSError as e:
+    wrote = type(e).__name__
+result = (os.environ.get("TORCH_EXTENSIONS_DIR"), llm.engine.backend.name, type(ops).__name__,
+          cpp.load_kernel().__file__, getattr(getattr(ops, "module", None), "__file__", ""), wrote)
+"""
+
+
+@needs_isolation
+@pytest.mark.slow
+def test_the_jail_imports_the_teacher_s_compiled_kernels_read_only(student):
+    """A paged engine in the student's process runs the C++ attention kernel and the fused ops
+    that the grading process built, from the folder the jail binds read-only: no compiler runs
+    for it (it compiled both afresh in every grading: ~45 s of CPU each time)."""
+    from minillm.layers.attention import cpp
+    from minillm.lab.shared_kernels import INSIDE, built_extensions
+
+    if cpp.load_kernel() is None:
+        pytest.skip(f"no C++ kernel to share here ({cpp.kernel_error()})")
+    where, backend, ops, kernel, fused_ops, wrote = student.run(attempt, KERNELS)
+    assert built_extensions() is not None and where == INSIDE
+    assert (backend, ops) == ("cpp", "FusedOps")
+    assert kernel.startswith(INSIDE + "/") and fused_ops.startswith(INSIDE + "/"), (kernel, fused_ops)
+    assert wrote in ("OSError", "PermissionError"), "the shared kernels must be read-only"
+
+
 def _alive(marker: str) -> list[int]:
     """Processes whose command line holds ``marker``."""
     found = []
