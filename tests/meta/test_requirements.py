@@ -64,7 +64,11 @@ def compile_requirements(uv: str, plat: str, py: str) -> tuple[subprocess.Comple
            "--python-version", py, "--index-url", INDEX, "--no-config", "--no-build",
            "--no-python-downloads", "--no-header", "--no-annotate"]
     t = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    for _ in range(2):    # uv killed by a signal (a SIGSEGV after "Resolved", once in 16): again
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+        if r.returncode >= 0:
+            break
     return r, time.perf_counter() - t
 
 
