@@ -15,10 +15,12 @@ with ``--api-key`` gets the key from ``$MINILLM_API_KEY``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
+import statistics
 
 from ..workload import arrival_offsets
 from .client import make_bodies, report, run, summarize
@@ -47,6 +49,9 @@ def add_serve_bench_args(p) -> None:
                    help="--serve: /v1/chat/completions (default) or /v1/completions")
     g.add_argument("--ignore-eos", action="store_true",
                    help="--serve: every request generates exactly --max-tokens (vLLM's extra)")
+    g.add_argument("--rounds", type=int, default=None,
+                   help="--serve NAMES: drive each started server this many times with the same "
+                        "requests; its row is the median of each number (default 1)")
     g.add_argument("--burst", metavar="K:RATE", default=None,
                    help="--serve: a rate step -- after the first K requests at --rate, RATE "
                         "per second (rung 12's batch controller under a burst)")
@@ -64,7 +69,8 @@ def serve_only_flags(args) -> list[str]:
     """The --serve flags given without --serve (they would be silently ignored)."""
     given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
              "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None,
-             "--input-len": args.input_len, "--mix": args.mix, "--burst": args.burst}
+             "--input-len": args.input_len, "--mix": args.mix, "--burst": args.burst,
+             "--rounds": args.rounds}
     return [flag for flag, value in given.items() if value is not None]
 
 
@@ -73,9 +79,16 @@ def main(args) -> int:
     n = 32 if args.requests is None else args.requests
     chat = args.endpoint != "completions" and not args.input_len
     max_tokens = 64 if args.max_tokens is None else args.max_tokens
-    if max_tokens < 1 or n < 1 or (args.concurrency is not None and args.concurrency < 1) or \
-            (args.input_len is not None and args.input_len < 1):
-        print("error: --requests, --max-tokens, --concurrency and --input-len must be >= 1")
+    counts = {"--requests": n, "--max-tokens": max_tokens, "--concurrency": args.concurrency,
+              "--input-len": args.input_len, "--rounds": args.rounds}
+    wrong = [f"{flag} must be >= 1, got {v}" for flag, v in counts.items()
+             if v is not None and v < 1]
+    if wrong:
+        print(f"error: {'; '.join(wrong)}")
+        return 2
+    if args.rounds is not None and "://" in args.serve:
+        print("error: --rounds drives servers this command starts (--serve minillm,vllm-cpu), "
+              "not a URL: run the command again for another round")
         return 2
     try:
         burst = parse_burst(args.burst, args.rate)
@@ -162,25 +175,35 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
     extra = ["--enable-prefix-caching"] if args.mix in ("policies", "deadlines") else []
     log_dir = (Path(args.json).resolve().parent if args.json else Path.cwd()) / "server-logs"
     dtype = served_dtype(args.dtype)
-    results = {}
+    results, rounds = {}, args.rounds or 1
+
+    def one_round(name: str, url: str | None) -> dict:
+        if url is not None:
+            return drive(url, bodies, rate, args.concurrency, args.seed, chat, classes,
+                         args.mix, burst)
+        offsets = arrival_offsets(len(bodies), random.Random(args.seed),
+                                  None if math.isinf(rate) else rate, burst)
+        m = summarize(*run_offline(args.model, bodies, offsets, args.max_batch,
+                                   DEFAULT_KV_CACHE_BYTES, dtype))
+        print(report(m, rate, args.concurrency))
+        return m
+
     for name in names:
         try:
-            print(f"--- {name}")
-            if name == OFFLINE:
-                offsets = arrival_offsets(len(bodies), random.Random(args.seed),
-                                          None if math.isinf(rate) else rate, burst)
-                results[name] = summarize(*run_offline(args.model, bodies, offsets,
-                                                       args.max_batch, DEFAULT_KV_CACHE_BYTES,
-                                                       dtype))
-                print(report(results[name], rate, args.concurrency))
-                continue
-            with started(name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES,
-                         log_dir, extra=extra, dtype=dtype) as url:
-                results[name] = drive(url, bodies, rate, args.concurrency, args.seed, chat,
-                                      classes, args.mix, burst)
+            with contextlib.ExitStack() as stack:   # a server started once: its rounds share it
+                url = None if name == OFFLINE else stack.enter_context(started(
+                    name, args.model, args.max_batch, DEFAULT_KV_CACHE_BYTES, log_dir,
+                    extra=extra, dtype=dtype))
+                runs = []
+                for i in range(rounds):
+                    print(f"--- {name}" + (f", round {i + 1} of {rounds}" if rounds > 1 else ""))
+                    runs.append(one_round(name, url))
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1
+        results[name] = median_of(runs)
+    if rounds > 1:
+        print(f"each row: the median of {rounds} rounds")
     print(side_by_side(results))
     if classes:
         print(class_table({n: m["classes"] for n, m in results.items()}, args.mix))
@@ -190,6 +213,26 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                        "servers": results,
                        "environment": server_environment(names)}, f, indent=1)
     return 0 if all(m["completed"] == len(bodies) for m in results.values()) else 1
+
+
+def median_of(runs: list[dict]) -> dict:
+    """One row for several rounds of the same requests: each number the median of the rounds'
+    (TTFT P99: the median of the rounds' P99s), ``completed`` the fewest and ``failed`` the most,
+    the errors of all; the rest (per-class tables, the /metrics timeline) from the round of the
+    median output throughput; each round's numbers under ``rounds``."""
+    if len(runs) == 1:
+        return runs[0]
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["output_throughput"])
+    out = dict(runs[order[len(runs) // 2]])
+    numbers = [k for k, v in runs[0].items() if isinstance(v, (int, float))
+               and not isinstance(v, bool)]
+    for k in numbers:
+        out[k] = statistics.median(r[k] for r in runs)
+    out["completed"] = min(r["completed"] for r in runs)
+    out["failed"] = max(r["failed"] for r in runs)
+    out["errors"] = sorted({e for r in runs for e in r["errors"]})[:5]
+    out["rounds"] = [{k: r[k] for k in numbers} for r in runs]
+    return out
 
 
 def served_dtype(name: str) -> str:

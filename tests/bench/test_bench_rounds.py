@@ -1,0 +1,55 @@
+"""``bench --serve NAMES --rounds N``: each server driven N times with the same requests, its row
+the median of each number (issue 58's served rows, median of 3). ``offline`` (the engine in this
+process, the same command path) stands in for a started server here."""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from minillm.__main__ import main
+from minillm.bench.loadgen import median_of
+
+ARGS = ["bench", "--serve", "offline", "--model", "tiny-llama", "--rate", "50", "--requests", "4",
+        "--max-tokens", "4", "--ignore-eos"]
+
+
+def test_each_number_is_the_median_of_the_rounds(tmp_path, capsys):
+    out = tmp_path / "rounds.json"
+    assert main([*ARGS, "--rounds", "3", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["servers"]["offline"]
+    assert len(row["rounds"]) == 3 and row["completed"] == 4
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                "output_throughput", "duration"):
+        assert row[key] == statistics.median(r[key] for r in row["rounds"]), key
+    text = capsys.readouterr().out
+    assert "offline, round 3 of 3" in text and "each row: the median of 3 rounds" in text
+
+
+def test_a_round_that_failed_requests_shows_in_the_row():
+    ok = {"completed": 4, "failed": 0, "output_throughput": 10.0, "p99_ttft_ms": 5.0,
+          "errors": []}
+    bad = {"completed": 3, "failed": 1, "output_throughput": 12.0, "p99_ttft_ms": 9.0,
+           "errors": ["HTTP 500"]}
+    row = median_of([ok, bad, dict(ok, p99_ttft_ms=7.0)])
+    assert (row["completed"], row["failed"], row["errors"]) == (3, 1, ["HTTP 500"])
+    assert row["p99_ttft_ms"] == 7.0 and row["output_throughput"] == 10.0
+    assert median_of([ok]) is ok
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--rounds", "-2", "--requests", "0"],
+     "--requests must be >= 1, got 0; --rounds must be >= 1, got -2"),
+])
+def test_a_count_below_one_is_refused(extra, says, capsys):
+    assert main([*ARGS, *extra]) == 2
+    assert says in capsys.readouterr().out
+
+
+def test_rounds_against_a_url_or_without_serve_are_refused(capsys):
+    assert main(["bench", "--serve", "http://127.0.0.1:9", "--rounds", "2"]) == 2
+    assert "--rounds drives servers this command starts" in capsys.readouterr().out
+    assert main(["bench", "--rounds", "2"]) == 2
+    assert "--rounds" in capsys.readouterr().err
