@@ -177,7 +177,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
     dtype = served_dtype(args.dtype)
     results, rounds = {}, args.rounds or 1
 
-    def one_round(name: str, url: str | None) -> dict:
+    def one_round(url: str | None) -> dict:
         if url is not None:
             return drive(url, bodies, rate, args.concurrency, args.seed, chat, classes,
                          args.mix, burst)
@@ -197,7 +197,7 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                 runs = []
                 for i in range(rounds):
                     print(f"--- {name}" + (f", round {i + 1} of {rounds}" if rounds > 1 else ""))
-                    runs.append(one_round(name, url))
+                    runs.append(one_round(url))
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1
