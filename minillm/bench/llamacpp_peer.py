@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -137,7 +138,8 @@ def llama_greedy_text(model: Path, prompt: str, new_tokens: int, threads: int) -
 
 # --- minillm's numbers, the same work -----------------------------------------------------------
 def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: int = 64,
-                   compile_buckets: str | None = None, linear_backend: str | None = None):
+                   compile_buckets: str | None = None, linear_backend: str | None = None,
+                   compile_wrapper: str = "python"):
     """The paged engine on SmolLM2 in ``dtype``; with ``compile_buckets`` rung 14's compiled
     engine, each bucket compiled here by a short warm-up (never inside a timed run)."""
     from ..engines import create_engine
@@ -147,7 +149,8 @@ def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: in
     if quantization:
         options["quantization"] = quantization
     if compile_buckets:
-        options.update(compile=True, compile_buckets=compile_buckets)
+        options.update(compile=True, compile_buckets=compile_buckets,
+                       compile_wrapper=compile_wrapper)
     if linear_backend and not quantization:
         options["linear_backend"] = linear_backend
     engine = create_engine("paged", load_model("smollm2-135m-instruct", dtype=dtype), **options)
@@ -215,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="minillm's linear kernel for the unquantized rows (e.g. gemv, rung 14)")
     ap.add_argument("--compile", action="store_true",
                     help="minillm's compiled step (rung 14): one bucket per row count measured")
+    ap.add_argument("--compile-wrapper", default="python",
+                    help="with --compile: inductor's 'python' or 'cpp' wrapper (rung 14)")
     ap.add_argument("--json", default="figures/bench_llamacpp.json")
     args = ap.parse_args(argv)
     import torch
@@ -230,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     for dtype, kind, quant in work:
         buckets = ",".join(map(str, sorted({1, *batches}))) if args.compile else None
         gguf, engine = ensure_gguf(kind), minillm_engine(dtype, quant, compile_buckets=buckets,
-                                                         linear_backend=args.linear_backend)
+                                                         linear_backend=args.linear_backend,
+                                                         compile_wrapper=args.compile_wrapper)
         if kind == "f32":
             agree = greedy_agreement(engine, gguf, threads)
             print(f"greedy, f32: the same first {agree['same_chars']} characters of "
@@ -247,14 +253,21 @@ def main(argv: list[str] | None = None) -> None:
                     theirs.append(llama_batched(gguf, b, args.prompt, args.new_tokens, threads))
                     ours.append(minillm_batched(engine, b, args.prompt, args.new_tokens))
             kernel = quant or args.linear_backend
-            name = f"{dtype}{'+' + kernel if kernel else ''}{'+compiled' if buckets else ''}"
+            compiled = "" if not buckets else "+compiled" + (
+                "" if args.compile_wrapper == "python" else f"+{args.compile_wrapper}-wrapper")
+            name = f"{dtype}{'+' + kernel if kernel else ''}{compiled}"
             row = {"work": label, "minillm": name,
                    "llama.cpp": kind, "minillm_tok_s": max(ours), "llamacpp_tok_s": max(theirs),
-                   "ratio": max(ours) / max(theirs), "threads": threads}
+                   "ratio": max(ours) / max(theirs), "threads": threads,
+                   # each round's pair, side by side: steadier than the best of each on a noisy
+                   # machine (one round's llama.cpp and minillm share its noise)
+                   "median_round_ratio": statistics.median(o / t for o, t in zip(ours, theirs)),
+                   "rounds": len(ours)}
             rows.append(row)
             print(f"{label:28s} minillm {row['minillm']:>23s} {row['minillm_tok_s']:7.1f} tok/s | "
                   f"llama.cpp {kind:>5s} {row['llamacpp_tok_s']:7.1f} tok/s | "
-                  f"{row['ratio']:.2f}x", flush=True)
+                  f"{row['ratio']:.2f}x (best of {len(ours)} each; median of the rounds' "
+                  f"ratios {row['median_round_ratio']:.2f}x)", flush=True)
         del engine
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"llama_cpp_python": VERSION, "rows": rows,

@@ -25,6 +25,9 @@ VARIANTS = {
     "gemv": {"linear_backend": "gemv"},
     "compiled+gemv": {"compile": True, "compile_buckets": "1", "linear_backend": "gemv"},
 }
+# each compiled variant again with inductor's C++ wrapper (``compile_wrapper="cpp"``)
+VARIANTS.update({f"{name}+cpp": {**options, "compile_wrapper": "cpp"}
+                 for name, options in list(VARIANTS.items()) if options.get("compile")})
 PROMPT = "Explain in a few sentences why the sky is blue."
 
 

@@ -42,6 +42,8 @@ def test_options_checked_by_name():
                        ("4,2", "compile_buckets must increase")]:
         with pytest.raises(ValueError, match=match):
             CompileConfig(True, bad)
+    with pytest.raises(ValueError, match="compile_wrapper must be one of 'python', 'cpp', got 'c'"):
+        CompileConfig(True, compile_wrapper="c")
     with pytest.raises(ValueError, match="compile must be True"):
         CompileConfig(False)
     with pytest.raises(ValueError, match="compile must be True or False"):
@@ -128,19 +130,24 @@ MIN_PREFIX_SHARE = 0.6
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
-def test_compiled_int8_equals_eager_int8(tiny, quantization):
+@pytest.mark.parametrize("quantization,wrapper", [("int8", "cpp"), ("w8a8", "python")])
+def test_compiled_int8_equals_eager_int8(tiny, quantization, wrapper):
     """int8 weights in the compiled step: decode rows the streamed kernels compute
     (layers/gemv.py) are ``minillm::gemv`` / ``gemv_w8a8`` nodes, other rows packed_linear ops or
-    traced torch ops; either way the tokens are the eager engine's on the same weights."""
+    traced torch ops; either way the tokens are the eager engine's on the same weights. One case
+    in each wrapper (``compile_wrapper``): inductor's C++ wrapper calls the same kernels and
+    operators with no Python between them, and must give the same tokens."""
     if quantization == "w8a8" and w8a8_missing() is not None:
         pytest.skip(w8a8_missing())
     kw = {"quantization": quantization, **TIGHT}
-    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS, **kw)
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS,
+                   compile_wrapper=wrapper, **kw)
     eager = LLM(tiny, engine="paged", **kw)
     got, want = run_both((compiled, eager), random_prompts(3, seed=4, lo=3, hi=12),
                          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    assert got == want and compiled.engine.runner.steps["compiled"] > 0
+    described = compiled.engine.describe()
+    assert got == want and described["compiled_steps"] > 0
+    assert described["compile_wrapper"] == wrapper
 
 
 @pytest.mark.slow

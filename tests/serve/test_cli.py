@@ -516,3 +516,19 @@ def test_generate_refuses_a_tpot_target_below_any_step(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not dst.exists()
     assert err[-1] == "error: tpot_target_ms must be >= 0.1 ms (no step is faster), got 1e-300"
+
+
+def test_every_subcommand_s_help_prints_every_option():
+    """``--help`` formats each option's help (argparse reads a bare % in it as a format: an
+    option's help saying '~10%' once broke ``serve --help`` with a ValueError)."""
+    import argparse
+
+    from minillm.__main__ import build_parser
+    from minillm.engines import all_options
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subs.choices) == {"generate", "bench", "serve"}
+    texts = {name: sub.format_help() for name, sub in subs.choices.items()}
+    for opt in all_options().values():
+        for name in ("generate", "serve"):
+            assert opt.flags[0] in texts[name], f"{name} --help lacks {opt.flags[0]}"

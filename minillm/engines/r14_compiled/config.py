@@ -9,6 +9,7 @@ from ...runtime.config import check_bool, option
 # nano-vllm's CUDA-graph sizes, doubling: a batch of n decodes runs in the smallest bucket that
 # holds it, so each shape is compiled once and a batch never waits for a bigger compile than 2n.
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+WRAPPERS = ("python", "cpp")
 
 
 def parse_buckets(text: str | None) -> tuple[int, ...]:
@@ -44,16 +45,25 @@ class CompileConfig:
     compile_buckets: str | None = option(
         None, "compiled: the batch sizes decode steps are padded to, each compiled once on "
               "first use, e.g. '1,2,4,8' (default 1,2,4,...,128); a larger batch runs eagerly")
+    compile_wrapper: str = option(
+        "python", "compiled: the code around the step's kernels, 'python' (inductor's default) "
+                  "or 'cpp' (inductor's C++ wrapper: no Python between the ~150 kernel and "
+                  "operator calls of a SmolLM2 step, a tenth more tokens/s at one row in "
+                  "docs/rungs/14_compiled.md; its cold compile takes ~6x longer, then the disk "
+                  "cache serves it)")
 
     def __post_init__(self):
         check_bool("compile", self.compile)
         if not self.compile:
             raise ValueError("compile must be True for the compiled engine, got False")
         parse_buckets(self.compile_buckets)
+        if self.compile_wrapper not in WRAPPERS:
+            raise ValueError(f"compile_wrapper must be one of {', '.join(map(repr, WRAPPERS))}, "
+                             f"got {self.compile_wrapper!r}")
 
     @property
     def buckets(self) -> tuple[int, ...]:
         return parse_buckets(self.compile_buckets)
 
 
-__all__ = ["CompileConfig", "DEFAULT_BUCKETS", "bucket_for", "parse_buckets"]
+__all__ = ["CompileConfig", "DEFAULT_BUCKETS", "WRAPPERS", "bucket_for", "parse_buckets"]

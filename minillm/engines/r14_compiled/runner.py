@@ -39,9 +39,9 @@ def use_disk_cache() -> str:
 
 class CompiledRunner(ModelRunner):
     def __init__(self, model, num_blocks: int, block_size: int, backend, *,
-                 buckets: tuple[int, ...], progress=None, **options):
+                 buckets: tuple[int, ...], wrapper: str = "python", progress=None, **options):
         super().__init__(model, num_blocks, block_size, backend, **options)
-        self.buckets = buckets
+        self.buckets, self.wrapper = buckets, wrapper
         self.progress = progress if progress is not None else _stderr
         self.cache = use_disk_cache()
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
@@ -64,10 +64,14 @@ class CompiledRunner(ModelRunner):
         # of each operator's output before using it, ~20 calls a layer; our operators' shapes are
         # tested (tests/layers), and without the checks a one-row SmolLM2 step in w8a8 went from
         # 92 to 107 tok/s (docs/rungs/14_compiled.md).
+        # The wrapper (``compile_wrapper``): inductor's generated Python calls each kernel and
+        # operator of the step in turn, ~150 calls at one row; its C++ wrapper makes the same
+        # calls with no interpreter between them (CompileConfig says what each costs).
         self.compiled = torch.compile(
             self.graph, dynamic=False, fullgraph=True,
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                     "size_asserts": False, "alignment_asserts": False})
+                     "size_asserts": False, "alignment_asserts": False,
+                     "cpp_wrapper": wrapper == "cpp"})
         self.compile_s: dict[int, float] = {}     # bucket -> seconds its first call took
         self.steps = {"compiled": 0, "eager": 0}
 
@@ -106,7 +110,8 @@ class CompiledRunner(ModelRunner):
         first = bucket not in self.compile_s
         if first:
             self.progress(f"compiling the decode step for batch {bucket} (buckets "
-                          f"{','.join(map(str, self.buckets))}; cache {self.cache}) ...")
+                          f"{','.join(map(str, self.buckets))}; {self.wrapper} wrapper; cache "
+                          f"{self.cache}) ...")
             start = time.perf_counter()
         with step_context(ctx):
             logits = self.compiled(ids, pos)
@@ -141,6 +146,7 @@ class CompiledRunner(ModelRunner):
 
     def describe(self) -> dict:
         return {"compile_buckets": ",".join(map(str, self.buckets)),
+                "compile_wrapper": self.wrapper,
                 "compile_s": {b: round(s, 2) for b, s in self.compile_s.items()},
                 "compiled_steps": self.steps["compiled"], "eager_steps": self.steps["eager"]}
 
