@@ -38,7 +38,17 @@ class RequestResult:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-RANDOM_IDS = range(1000, 30000)
+RANDOM_IDS = range(1000, 30000)     # SmolLM2's ordinary tokens (of 49,152)
+
+
+def random_ids(model: str) -> range:
+    """The token ids random prompts are drawn from, inside ``model``'s vocabulary: ``RANDOM_IDS``,
+    or, for the tiny random model (a vocabulary of 512, which a server refuses ids past), all of
+    its ids but the first few."""
+    if model == "tiny-llama":
+        from ..models import tiny_llama_config     # imports torch: for the tiny model only
+        return range(4, tiny_llama_config().vocab_size)
+    return RANDOM_IDS
 
 
 def make_bodies(model: str, num_requests: int, max_tokens: int, seed: int, chat: bool,
@@ -47,13 +57,14 @@ def make_bodies(model: str, num_requests: int, max_tokens: int, seed: int, chat:
     prompts of exactly that many tokens on /v1/completions."""
     rng = random.Random(seed)
     prompts = [p for p in load_prompts() if p.get("category") in CHAT_MIX]
+    ids = random_ids(model) if input_len else RANDOM_IDS
     bodies = []
     for _ in range(num_requests):
         messages = rng.choice(prompts)["messages"]
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         if input_len:
-            body["prompt"] = [rng.choice(RANDOM_IDS) for _ in range(input_len)]
+            body["prompt"] = [rng.choice(ids) for _ in range(input_len)]
         else:
             body |= {"messages": messages} if chat else {"prompt": messages[-1]["content"]}
         if ignore_eos:

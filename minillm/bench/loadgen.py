@@ -198,6 +198,11 @@ def compare_servers(args, bodies: list[dict], rate: float, chat: bool, workload:
                 for i in range(rounds):
                     print(f"--- {name}" + (f", round {i + 1} of {rounds}" if rounds > 1 else ""))
                     runs.append(one_round(url))
+                    if not runs[-1]["completed"] and i + 1 < rounds:
+                        # the same requests again would fail alike: say so once, now
+                        print(f"error: {name}: every request of round {i + 1} failed; the other "
+                              f"rounds are not run")
+                        break
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {name}: {e}")
             return 1

@@ -19,7 +19,7 @@ order (``slo``) does not.
 Every server gets the same bodies at the same times; the report splits TTFT, TPOT and ITL by
 class and counts **goodput**: the requests per second that finished within their class's
 objectives (DistServe's measure), beside the plain throughput. Prompts are random token ids
-(``loadgen.RANDOM_IDS``), so their lengths are exact; ``ignore_eos`` fixes the answers' lengths.
+(``client.random_ids``), so their lengths are exact; ``ignore_eos`` fixes the answers' lengths.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .client import RANDOM_IDS, RequestResult
+from .client import RequestResult, random_ids
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,11 @@ def make_mixed_bodies(model: str, num_requests: int, seed: int,
     """Bodies for /v1/completions and each one's class (of ``MIXES[mix]``), drawn with ``seed``
     by the classes' shares."""
     rng = random.Random(seed)
-    kinds = MIXES[mix]
+    kinds, ids = MIXES[mix], random_ids(model)
     bodies, classes = [], []
     for _ in range(num_requests):
         c = rng.choices(kinds, weights=[k.share for k in kinds])[0]
-        prompt = [rng.choice(RANDOM_IDS) for _ in range(c.input_len)]
+        prompt = [rng.choice(ids) for _ in range(c.input_len)]
         bodies.append({"model": model, "prompt": prompt,
                        "max_tokens": c.max_tokens, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}, "ignore_eos": True,

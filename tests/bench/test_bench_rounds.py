@@ -53,3 +53,26 @@ def test_rounds_against_a_url_or_without_serve_are_refused(capsys):
     assert "--rounds drives servers this command starts" in capsys.readouterr().out
     assert main(["bench", "--rounds", "2"]) == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_random_prompts_fit_the_tiny_model_s_vocabulary(tmp_path):
+    """``--input-len`` draws token ids inside the model's vocabulary: SmolLM2's range would be
+    refused by the tiny model (512 ids), every request failing."""
+    out = tmp_path / "tiny.json"
+    assert main([*ARGS, "--input-len", "16", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["servers"]["offline"]
+    assert (row["completed"], row["failed"]) == (4, 0) and row["total_input_tokens"] == 4 * 16
+
+
+def test_a_round_where_every_request_failed_ends_the_rounds(monkeypatch, tmp_path, capsys):
+    """The same requests would fail alike in the next rounds: one line says so, the row shows
+    the one round, and the command fails."""
+    from minillm.bench import client
+    monkeypatch.setattr(client, "random_ids", lambda model: client.RANDOM_IDS)   # past 512
+    out = tmp_path / "failed.json"
+    assert main([*ARGS, "--input-len", "16", "--rounds", "3", "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "every request of round 1 failed; the other rounds are not run" in text
+    assert "round 2 of 3" not in text
+    row = json.loads(out.read_text())["servers"]["offline"]
+    assert row["completed"] == 0 and row["failed"] == 4

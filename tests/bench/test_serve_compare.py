@@ -108,6 +108,8 @@ def test_input_len_prompts_are_random_token_ids():
     a = make_bodies("m", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=128)
     assert a == make_bodies("m", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=128)
     assert all(len(b["prompt"]) == 128 and set(b["prompt"]) <= set(RANDOM_IDS) for b in a)
+    tiny = make_bodies("tiny-llama", 5, 8, seed=1, chat=False, ignore_eos=True, input_len=64)
+    assert all(0 <= i < 512 for b in tiny for i in b["prompt"])
     assert len({tuple(b["prompt"]) for b in a}) == 5 and all(b["ignore_eos"] for b in a)
     assert main(["bench", "--serve", "minillm", "--input-len", "8", "--endpoint", "chat"]) == 2
     assert main(["bench", "--serve", "minillm", "--input-len", "0"]) == 2
@@ -149,7 +151,6 @@ def test_mixed_workload_compares_policies_per_class(tmp_path, monkeypatch, spawn
     each gets the per-class report (TTFT/TPOT, goodput), the servers run with --policy."""
     from minillm.bench import mixed
 
-    monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
     monkeypatch.setitem(mixed.MIXES, "policies", (
         mixed.RequestClass("interactive", 0, 6, 4, 60000.0),
         mixed.RequestClass("batch", 1, 24, 12, 1e-3)))
@@ -182,7 +183,6 @@ def test_disagg_mix_compares_one_engine_with_two_workers(tmp_path, monkeypatch, 
     of the server's process group); each gets the per-class report; nothing is left running."""
     from minillm.bench import mixed
 
-    monkeypatch.setattr(mixed, "RANDOM_IDS", range(10, 500))           # the tiny vocabulary
     monkeypatch.setitem(mixed.MIXES, "disagg", (
         mixed.RequestClass("steady", 0, 6, 12, 60000.0, 0.5, slo_tpot_ms=60000.0),
         mixed.RequestClass("long", 0, 40, 2, 1e-3, 0.5)))
