@@ -30,6 +30,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from ..engines.r14_compiled.config import WRAPPERS
+
 ROOT = Path(__file__).resolve().parents[2]
 HOME = ROOT / ".llamacpp"
 VERSION = "0.3.36"          # llama-cpp-python's sdist: which llama.cpp it vendors
@@ -218,10 +220,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="minillm's linear kernel for the unquantized rows (e.g. gemv, rung 14)")
     ap.add_argument("--compile", action="store_true",
                     help="minillm's compiled step (rung 14): one bucket per row count measured")
-    ap.add_argument("--compile-wrapper", default="python",
+    ap.add_argument("--compile-wrapper", default="python", choices=WRAPPERS,
                     help="with --compile: inductor's 'python' or 'cpp' wrapper (rung 14)")
     ap.add_argument("--json", default="figures/bench_llamacpp.json")
     args = ap.parse_args(argv)
+    if args.compile_wrapper != "python" and not args.compile:
+        ap.error("--compile-wrapper applies to the compiled step: add --compile")
     import torch
 
     threads = args.threads or torch.get_num_threads()

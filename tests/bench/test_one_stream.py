@@ -77,3 +77,16 @@ def test_requests_timed_on_another_thread_run_there_and_give_the_same_tokens(tin
     assert len(timed[0]) == 5 and all(t == timed[0] for t in timed)
     assert one_stream.main(["--model", "tiny-llama", "--variants", "eager", "--runs", "1",
                             "--new-tokens", "3", "--on-another-thread"]) == 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--compile-wrapper", "cpp"], "--compile-wrapper applies to the compiled step: add --compile"),
+    (["--compile", "--compile-wrapper", "java"], "invalid choice: 'java'"),
+])
+def test_llamacpp_peer_refuses_a_wrapper_before_it_builds_anything(flags, says, capsys):
+    """A wrong ``--compile-wrapper`` is refused by argparse, before llama.cpp is built (minutes)."""
+    from minillm.bench import llamacpp_peer
+
+    with pytest.raises(SystemExit) as e:
+        llamacpp_peer.main(flags)
+    assert e.value.code == 2 and says in capsys.readouterr().err
