@@ -6,12 +6,12 @@ process to call ``probe`` (a function of the grader's file) and send back what i
 child imports a copy of the package (``build_tree``) in which the exercised module *is* the
 student's file; the probe's file is copied into it too, so the child never opens the teacher's.
 
-Where the machine allows (``jail.isolation()``), the child runs isolated (``jail.py``): its own
-root holding only that copy and the Python environment, read-only; its own PID namespace (no
-``/proc`` of the grader; everything it starts dies with it); no network; another user; limits on
-CPU time, memory, processes, open files and file size. Elsewhere it is a plain process of its own
-session, and ``isolated`` is False (the class table says so). Either way its environment is a
-short list (no secret of the grader's ever is in it), a guard refuses opening the teacher's
+Where the machine allows (``jail.isolation()``), the child is isolated (``jail.py``; a fork of
+the grading's zygote, ``zygote.py``, walled off alike): its own root holding that copy and the
+Python environment, read-only; its own PID namespace (everything it starts dies with it); no
+network; another user; limits on CPU, memory, processes and files. Elsewhere it is a plain
+process of its own session, and ``isolated`` is False (the class table says so). Either way its
+environment is a short list (no secret of the grader's), a guard refuses opening the teacher's
 repository by name, and its process group (or namespace) is killed whatever the verdict.
 
 What comes back is bounded — a frame (8-byte length, then the bytes) of at most
@@ -38,7 +38,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from . import jail, shared_kernels
+from . import jail, shared_kernels, zygote
 
 PACKAGE = Path(__file__).resolve().parents[1]           # the teacher's minillm/
 REPO = PACKAGE.parent                                   # its repository (.git included)
@@ -131,60 +131,76 @@ class Student:
 
     def __init__(self, overrides: dict[str, Path], limit_s: float = 300.0,
                  import_limit_s: float | None = None):
-        self._tmp = tempfile.mkdtemp(prefix="minillm-student-")
+        self.isolated, self.isolation = jail.isolation()
+        self.modules, self.mark = list(overrides), ""
+        # where isolated, a fork of the grading's zygote (zygote.py): the tree staged in its sight
+        self.zygote = zygote.Zygote.get(self._env(None), shared_kernels.child_binds()) \
+            if self.isolated and zygote.enabled() else None
+        self._tmp = tempfile.mkdtemp(prefix="minillm-student-",
+                                     dir=self.zygote.staging if self.zygote else None)
         self.root = build_tree(Path(self._tmp) / "tree",
                                {m: Path(f) for m, f in overrides.items()})
-        self.modules = list(overrides)
         self.limit_s = limit_s
         self.import_limit_s = min(limit_s, import_limit_s or float(
             os.environ.get("MINILLM_LAB_IMPORT_LIMIT_S", "60")))
-        self.isolated, self.isolation = jail.isolation()
-        self.inside = Path("/lab") if self.isolated else self.root     # the tree, as it sees it
         run = os.environ.get("MINILLM_LAB_RUN", "x")   # set by grade.check for this grading
         self.mark = f"MINILLM_LAB_RUN={run}:{os.path.basename(self._tmp)}"
-        self._proc: subprocess.Popen | None = None
-        self._answers: queue.Queue = queue.Queue()
-        self._tail = bytearray()
-        self._flooded = False
+        self._proc: subprocess.Popen | zygote.Forked | None = None
+        self._answers, self._tail, self._flooded = queue.Queue(), bytearray(), False
         self._probes: dict[str, str] = {}
         self._ends_at_import: str | None = None    # why, once the process ended before "ready"
 
-    def _env(self) -> dict[str, str]:
+    @property
+    def inside(self) -> Path:
+        """The tree, as the student's process sees it."""
+        return Path("/lab") if self.isolated else self.root
+
+    def _env(self, modules: list[str] | None) -> dict[str, str]:
+        """The student's process's environment; ``modules`` None: what every student's process
+        of this grading shares (the zygote's)."""
         env = {k: v for k, v in os.environ.items() if k.startswith(KEPT_ENV)
                and not k.startswith(("MINILLM_LAB", "MINILLM_LABWORK"))}
         home = "/tmp" if self.isolated else self._tmp
         env.update(PATH=os.environ.get("PATH", "/usr/bin:/bin"), HOME=home, TMPDIR=home,
                    PYTHONPATH=os.pathsep.join([str(self.inside),   # real paths: the jail's
                                                *map(os.path.realpath, _site_dirs())]),
-                   PYTHONDONTWRITEBYTECODE="1", MINILLM_LAB_MODULES=",".join(self.modules),
+                   PYTHONDONTWRITEBYTECODE="1",
                    HYPOTHESIS_STORAGE_DIRECTORY=os.path.join(home, ".hypothesis"))
-        key, _, value = self.mark.partition("=")
-        env[key] = value
+        if self.isolated and shared_kernels.child_binds():
+            env["TORCH_EXTENSIONS_DIR"] = shared_kernels.INSIDE
+        if modules is not None:
+            key, _, value = self.mark.partition("=")
+            env.update({"MINILLM_LAB_MODULES": ",".join(modules), key: value})
         return env
 
     def _start(self) -> None:
         if os.environ.get(jail.ENV) == "required" and not self.isolated:
             raise StudentError(f"the student's process cannot be isolated here ({self.isolation})")
+        if self.zygote is not None:
+            return self._watch(self.zygote.spawn(str(self.root), self._env(self.modules)))
         argv = [jail.python() if self.isolated else sys.executable, "-S",
                 str(self.inside / "_minillm_child.py")]
         if self.isolated:
             os.makedirs(os.path.join(self._tmp, "root"), exist_ok=True)
-            shared = shared_kernels.child_binds()
-            env = self._env() | ({"TORCH_EXTENSIONS_DIR": shared_kernels.INSIDE} if shared else {})
-            spec = jail.plan(os.path.join(self._tmp, "root"), str(self.root), argv, env,
-                             hidden=(str(REPO),), shared=shared)
+            spec = jail.plan(os.path.join(self._tmp, "root"), str(self.root), argv,
+                             self._env(self.modules), hidden=(str(REPO),),
+                             shared=shared_kernels.child_binds())
             cmd, options = jail.command(spec), {"env": {"PATH": os.environ.get("PATH", "")}}
         else:
-            cmd, options = argv, {"env": self._env(), "cwd": self.root, "start_new_session": True}
+            cmd, options = argv, {"env": self._env(self.modules), "cwd": self.root,
+                                  "start_new_session": True}
         if os.name != "posix":
             options.pop("start_new_session", None)
         else:
             options["preexec_fn"] = jail.preexec(self.isolated)
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, **options)
+        self._watch(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, **options))
+
+    def _watch(self, proc) -> None:
+        self._proc = proc
         self._answers, self._tail, self._flooded = queue.Queue(), bytearray(), False
-        threading.Thread(target=self._read, args=(self._proc, self._answers), daemon=True).start()
-        threading.Thread(target=self._drain, args=(self._proc,), daemon=True).start()
+        threading.Thread(target=self._read, args=(proc, self._answers), daemon=True).start()
+        threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
 
     @staticmethod
     def _read(proc: subprocess.Popen, answers: queue.Queue) -> None:

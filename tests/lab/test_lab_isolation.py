@@ -39,19 +39,25 @@ def _isolated() -> bool:
 needs_isolation = pytest.mark.skipif("not _isolated()", reason="no namespaces on this machine")
 
 
-@pytest.fixture(scope="module")
-def student():
+@pytest.fixture(scope="module", params=["zygote", "own jail"])
+def student(request):
+    """A student's process forked by the grading's zygote (minillm/lab/zygote.py), and one
+    started in a jail of its own (``MINILLM_LAB_ZYGOTE=off``): every wall holds in both."""
     from minillm.lab.exercises import EXERCISES
     from minillm.lab.sandbox import Student
+    from minillm.lab.zygote import ENV
     if not _isolated():
         pytest.skip("no namespaces on this machine")
     os.environ["AWS_SECRET_ACCESS_KEY"] = "teacher-secret"        # the grader's environment
+    os.environ[ENV] = "on" if request.param == "zygote" else "off"
     s = Student({EXERCISES["08"].module: EXERCISES["08"].source_path}, limit_s=120)
+    assert (s.zygote is not None) == (request.param == "zygote")
     try:
         yield s
     finally:
         s.close()
         os.environ.pop("AWS_SECRET_ACCESS_KEY")
+        os.environ.pop(ENV)
 
 
 LIBC = "import ctypes, os\nlibc = ctypes.CDLL('libc.so.6', use_errno=True)\n"
