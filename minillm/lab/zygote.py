@@ -56,7 +56,10 @@ class Forked:
 
     def kill(self) -> None:
         if self.returncode is None:
-            self._zygote.send({"op": "kill", "id": self.id})
+            try:
+                self._zygote.send({"op": "kill", "id": self.id})
+            except OSError:          # the zygote is gone, and its forks with it
+                self._end(-9)
 
 
 class Zygote:
