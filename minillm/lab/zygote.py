@@ -114,7 +114,8 @@ class Zygote:
         proc.stdin = os.fdopen(ends[0][1], "wb")
         proc.stdout, proc.stderr = os.fdopen(ends[1][0], "rb"), os.fdopen(ends[2][0], "rb")
         try:
-            self.send({"op": "spawn", "id": proc.id, "tree": rel, "env": env}, theirs)
+            self.send({"op": "spawn", "id": proc.id, "tree": rel, "env": env,
+                       "limits": jail.limits()}, theirs)
         except OSError:
             proc._end(-9)
         finally:

@@ -138,3 +138,18 @@ def test_the_zygote_dies_with_its_grading_process(tmp_path):
             break
         time.sleep(0.1)
     assert _gone(int(pid)), "the zygote outlived the grading process that started it"
+
+
+def limits() -> tuple:
+    import resource
+    return resource.getrlimit(resource.RLIMIT_NOFILE), resource.getrlimit(resource.RLIMIT_FSIZE)
+
+
+def test_each_fork_takes_the_limits_of_its_own_start(students, monkeypatch):
+    """The limits are read when each student's process starts (``MINILLM_LAB_LIMIT_*``), not
+    when the zygote did."""
+    first = students[0].run(limits)
+    monkeypatch.setenv("MINILLM_LAB_LIMIT_FILES", "77")
+    monkeypatch.setenv("MINILLM_LAB_LIMIT_FILE_MB", "3")
+    second = students[1].run(limits)
+    assert first[0][0] != 77 and second == ((77, 77), (3 << 20, 3 << 20))
