@@ -60,8 +60,8 @@ def serve(spec: dict, jail) -> int:
                 pid = os.fork()
                 if pid == 0:
                     sock.close()             # this run's limits: the grading's, as it asks now
-                    os._exit(_walled_off(req, fds, {**spec, "limits": req["limits"],
-                                                    "tmp_mb": req["limits"]["tmp_mb"]}, jail))
+                    _forked(_walled_off, req, fds, {**spec, "limits": req["limits"],
+                                                    "tmp_mb": req["limits"]["tmp_mb"]}, jail)
                 pids[pid] = req["id"]
                 for fd in fds:
                     os.close(fd)
@@ -78,6 +78,25 @@ def serve(spec: dict, jail) -> int:
                 break
             if pid in pids:
                 sock.send(json.dumps({"id": pids.pop(pid), "exit": _code(status)}).encode())
+
+
+def _forked(fn, *args) -> None:
+    """The body of a fork: whatever happens in ``fn``, the fork ends here, with its code (never
+    back in the frames it was forked from: the zygote's loop)."""
+    code = 127
+    try:
+        code = fn(*args)
+    except BaseException:       # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:             # nothing left to signal: it ended already
+        pass
 
 
 def _code(status: int) -> int:
@@ -103,8 +122,8 @@ def _walled_off(req: dict, fds: list[int], spec: dict, jail) -> int:
         jail._loopback_up()
         pid = os.fork()
         if pid == 0:
-            os._exit(_pid_one(req, fds, spec, jail))
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
+            _forked(_pid_one, req, fds, spec, jail)
+        signal.signal(signal.SIGTERM, lambda *_: _signal(pid, signal.SIGTERM))
     except BaseException as e:       # noqa: BLE001 - the jail could not be made
         os.write(fds[2], f"minillm lab zygote: {e}\n".encode())
         return 127
@@ -133,10 +152,10 @@ def _pid_one(req: dict, fds: list[int], spec: dict, jail) -> int:
         except BaseException as e:   # noqa: BLE001
             os.write(2, f"minillm lab zygote: {e}\n".encode())
             os._exit(127)
-        os._exit(_run_child(req["env"]))
+        _forked(_run_child, req["env"])
     # asked to stop: everything of the namespace dies, and the student's process is reaped as
     # it ended (killed, or its own exit code if it had ended already)
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(-1, signal.SIGKILL))
+    signal.signal(signal.SIGTERM, lambda *_: _signal(-1, signal.SIGKILL))
     devnull = os.open("/dev/null", os.O_RDWR)
     for fd in fds:
         os.close(fd)

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import jail
+from . import jail, zygote
 
 MARK = "minillm-lab-run"        # the line that starts a run's share of the process's output
 
@@ -104,6 +104,10 @@ def _one_process(grader: Path, runs: dict[str, dict], env: dict, tmp: str, secre
                  on_end=None):
     """One grading process over ``runs``, its process group killed when it ends, in time or
     not: (done, why the last run was late or None, the results pipe's text)."""
+    if len(runs) == 1 and zygote.ENV not in env:
+        # one student: a zygote (torch and HF's Llama imported first, ~3.5 s) would cost what
+        # that student's own process costs, more where the exercise loads no model
+        env = {**env, zygote.ENV: "off"}
     via_pipe = os.name == "posix"
     r, w = os.pipe() if via_pipe else (None, None)
     results = str(w) if via_pipe else str(Path(tmp) / "results")
