@@ -77,7 +77,8 @@ def serve(spec: dict, jail) -> int:
             if pid == 0:
                 break
             if pid in pids:
-                sock.send(json.dumps({"id": pids.pop(pid), "exit": _code(status)}).encode())
+                reply = {"id": pids.pop(pid), "exit": jail.exit_code(status)}
+                sock.send(json.dumps(reply).encode())
 
 
 def _forked(fn, *args) -> None:
@@ -97,11 +98,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except OSError:             # nothing left to signal: it ended already
         pass
-
-
-def _code(status: int) -> int:
-    return os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else \
-        128 + os.WTERMSIG(status)
 
 
 def _walled_off(req: dict, fds: list[int], spec: dict, jail) -> int:
@@ -130,7 +126,7 @@ def _walled_off(req: dict, fds: list[int], spec: dict, jail) -> int:
     for fd in fds:
         os.close(fd)
     _, status = os.waitpid(pid, 0)
-    return _code(status)
+    return jail.exit_code(status)
 
 
 def _pid_one(req: dict, fds: list[int], spec: dict, jail) -> int:
@@ -156,18 +152,9 @@ def _pid_one(req: dict, fds: list[int], spec: dict, jail) -> int:
     # asked to stop: everything of the namespace dies, and the student's process is reaped as
     # it ended (killed, or its own exit code if it had ended already)
     signal.signal(signal.SIGTERM, lambda *_: _signal(-1, signal.SIGKILL))
-    devnull = os.open("/dev/null", os.O_RDWR)
     for fd in fds:
         os.close(fd)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    while True:
-        try:
-            done, status = os.wait()
-        except ChildProcessError:
-            return 0
-        if done == pid:
-            return _code(status)
+    return jail.reap(pid)
 
 
 def _drop_capabilities() -> None:

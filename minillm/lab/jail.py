@@ -313,17 +313,27 @@ def main(spec: dict) -> int:
         except BaseException as e:       # noqa: BLE001 - the jail could not start it
             os.write(2, f"minillm lab jail: {e}\n".encode())
         os._exit(127)
+    return reap(pid)
+
+
+def reap(pid: int) -> int:
+    """PID 1's life once it started the program ``pid``: reap everything, end with the program
+    (its exit code, or 128 + the signal that killed it)."""
     devnull = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):                 # the program's pipes end with it, not with PID 1
         os.dup2(devnull, fd)
-    while True:                          # PID 1: reap everything, end with the program
+    while True:
         try:
             done, status = os.wait()
         except ChildProcessError:
             return 0
         if done == pid:
-            return os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else \
-                128 + os.WTERMSIG(status)
+            return exit_code(status)
+
+
+def exit_code(status: int) -> int:
+    return os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else \
+        128 + os.WTERMSIG(status)
 
 
 if __name__ == "__main__":
