@@ -11,7 +11,8 @@ directory minillm loads with llama.cpp's own ``convert_hf_to_gguf.py`` (f32, bf1
 Fair: llama.cpp gets the threads minillm computes with (``-t``), the same model, the same number
 of new tokens; runs alternate (``--rounds``), so a noisy neighbour hits both. Every row names
 its dtype and weight format: f32 against fp32, bf16 against bf16, q8_0 against minillm's own
-8-bit weights where it has them (``--quantization``). One stream is ``llama-bench -n N -p 0``
+8-bit weights where it has them (``--quantization``), and both store K/V alike (``--kv``: 16
+bits by default, llama.cpp's own default). One stream is ``llama-bench -n N -p 0``
 (generation only) against minillm's decode steps after a one-token prompt; batches are
 ``llama-batched-bench`` (B x prompt, B x N new tokens, output tokens per second of the whole
 run, prefill included) against the paged engine on the same shape.
@@ -110,17 +111,22 @@ def converter_deps() -> Path:
 
 
 # --- llama.cpp's numbers ------------------------------------------------------------------------
-def llama_one_stream(model: Path, new_tokens: int, threads: int) -> float:
-    """Generation tok/s of one stream (``llama-bench -n N -p 0``, its mean over 5 repetitions)."""
+def llama_one_stream(model: Path, new_tokens: int, threads: int, kv: str = "f16") -> float:
+    """Generation tok/s of one stream (``llama-bench -n N -p 0``, its mean over 5 repetitions),
+    K and V stored as ``kv`` (llama.cpp's default: f16)."""
     out = subprocess.run([str(ensure_build() / "llama-bench"), "-m", str(model), "-t", str(threads),
-                          "-n", str(new_tokens), "-p", "0", "-r", "5", "-o", "json"],
+                          "-n", str(new_tokens), "-p", "0", "-r", "5", "-o", "json",
+                          "-ctk", kv, "-ctv", kv],
                          check=True, capture_output=True, text=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def llama_batched(model: Path, batch: int, prompt: int, new_tokens: int, threads: int) -> float:
-    """Output tok/s of ``batch`` streams, prefill included (``llama-batched-bench``)."""
+def llama_batched(model: Path, batch: int, prompt: int, new_tokens: int, threads: int,
+                  kv: str = "f16") -> float:
+    """Output tok/s of ``batch`` streams, prefill included (``llama-batched-bench``), K and V
+    stored as ``kv``."""
     out = subprocess.run([str(ensure_build() / "llama-batched-bench"), "-m", str(model),
+                          "-ctk", kv, "-ctv", kv,
                           "-t", str(threads), "-tb", str(threads), "-c",
                           str(batch * (prompt + new_tokens) + 16), "-b", "2048", "-ub", "512",
                           "-npp", str(prompt), "-ntg", str(new_tokens), "-npl", str(batch),
@@ -141,13 +147,13 @@ def llama_greedy_text(model: Path, prompt: str, new_tokens: int, threads: int) -
 # --- minillm's numbers, the same work -----------------------------------------------------------
 def minillm_engine(dtype: str, quantization: str | None = None, max_num_seqs: int = 64,
                    compile_buckets: str | None = None, linear_backend: str | None = None,
-                   compile_wrapper: str = "python"):
+                   compile_wrapper: str = "python", kv_cache_dtype: str = "auto"):
     """The paged engine on SmolLM2 in ``dtype``; with ``compile_buckets`` rung 14's compiled
     engine, each bucket compiled here by a short warm-up (never inside a timed run)."""
     from ..engines import create_engine
     from ..models import load_model
 
-    options = {"max_num_seqs": max_num_seqs}
+    options = {"max_num_seqs": max_num_seqs, "kv_cache_dtype": kv_cache_dtype}
     if quantization:
         options["quantization"] = quantization
     if compile_buckets:
@@ -204,6 +210,21 @@ def greedy_agreement(engine, gguf: Path, threads: int, new_tokens: int = 32) -> 
     return {"prompt": prompt, "minillm": ours, "llama.cpp": theirs, "same_chars": same}
 
 
+# How each engine stores K and V (``--kv``): "16-bit", llama.cpp's default (f16 whatever the
+# weights) and minillm's 16-bit pool of the same size (rung 9's float16 beside fp32 weights, the
+# model's own bf16 beside bf16 ones); or "model", both in the weights' dtype (llama.cpp told
+# ``-ctk``/``-ctv``). Until 2026-12-07 the rows compared minillm's fp32 pool with llama.cpp's
+# f16 one: twice the bytes for minillm's attention to read in the fp32 rows.
+KV_POLICIES = ("16-bit", "model")
+
+
+def kv_types(policy: str, dtype: str, kind: str) -> tuple[str, str]:
+    """(minillm's kv_cache_dtype, llama.cpp's cache type) for weights ``dtype`` / ``kind``."""
+    if policy == "model":
+        return "auto", "f32" if dtype == "float32" else "bf16"     # q8_0's rows compute in fp32
+    return ("float16" if dtype == "float32" else "auto"), "f16"
+
+
 # --- the table ----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -222,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="minillm's compiled step (rung 14): one bucket per row count measured")
     ap.add_argument("--compile-wrapper", default="python", choices=WRAPPERS,
                     help="with --compile: inductor's 'python' or 'cpp' wrapper (rung 14)")
+    ap.add_argument("--kv", default="16-bit", choices=KV_POLICIES,
+                    help="how both store K/V: '16-bit' (llama.cpp's default f16; minillm float16 "
+                         "beside fp32 weights, bf16 beside bf16) or 'model' (the weights' dtype)")
     ap.add_argument("--json", default="figures/bench_llamacpp.json")
     args = ap.parse_args(argv)
     if args.compile_wrapper != "python" and not args.compile:
@@ -238,9 +262,11 @@ def main(argv: list[str] | None = None) -> None:
         work.append(("float32", "q8_0", args.quantization))
     for dtype, kind, quant in work:
         buckets = ",".join(map(str, sorted({1, *batches}))) if args.compile else None
+        ours_kv, their_kv = kv_types(args.kv, dtype, kind)
         gguf, engine = ensure_gguf(kind), minillm_engine(dtype, quant, compile_buckets=buckets,
                                                          linear_backend=args.linear_backend,
-                                                         compile_wrapper=args.compile_wrapper)
+                                                         compile_wrapper=args.compile_wrapper,
+                                                         kv_cache_dtype=ours_kv)
         if kind == "f32":
             agree = greedy_agreement(engine, gguf, threads)
             print(f"greedy, f32: the same first {agree['same_chars']} characters of "
@@ -251,25 +277,27 @@ def main(argv: list[str] | None = None) -> None:
             ours, theirs = [], []
             for _ in range(args.rounds):            # alternating: the same noise for both
                 if b == 1:
-                    theirs.append(llama_one_stream(gguf, args.new_tokens, threads))
+                    theirs.append(llama_one_stream(gguf, args.new_tokens, threads, their_kv))
                     ours.append(minillm_one_stream(engine, args.new_tokens))
                 else:
-                    theirs.append(llama_batched(gguf, b, args.prompt, args.new_tokens, threads))
+                    theirs.append(llama_batched(gguf, b, args.prompt, args.new_tokens, threads,
+                                                their_kv))
                     ours.append(minillm_batched(engine, b, args.prompt, args.new_tokens))
             kernel = quant or args.linear_backend
             compiled = "" if not buckets else "+compiled" + (
                 "" if args.compile_wrapper == "python" else f"+{args.compile_wrapper}-wrapper")
             name = f"{dtype}{'+' + kernel if kernel else ''}{compiled}"
-            row = {"work": label, "minillm": name,
-                   "llama.cpp": kind, "minillm_tok_s": max(ours), "llamacpp_tok_s": max(theirs),
+            row = {"work": label, "minillm": name, "minillm_kv": dtype if ours_kv == "auto" else ours_kv,
+                   "llama.cpp": kind, "llamacpp_kv": their_kv, "minillm_tok_s": max(ours), "llamacpp_tok_s": max(theirs),
                    "ratio": max(ours) / max(theirs), "threads": threads,
                    # each round's pair, side by side: steadier than the best of each on a noisy
                    # machine (one round's llama.cpp and minillm share its noise)
                    "median_round_ratio": statistics.median(o / t for o, t in zip(ours, theirs)),
                    "rounds": len(ours)}
             rows.append(row)
-            print(f"{label:28s} minillm {row['minillm']:>23s} {row['minillm_tok_s']:7.1f} tok/s | "
-                  f"llama.cpp {kind:>5s} {row['llamacpp_tok_s']:7.1f} tok/s | "
+            print(f"{label:28s} minillm {row['minillm']:>23s} (KV {row['minillm_kv']}) "
+                  f"{row['minillm_tok_s']:7.1f} tok/s | llama.cpp {kind:>5s} (KV {their_kv}) "
+                  f"{row['llamacpp_tok_s']:7.1f} tok/s | "
                   f"{row['ratio']:.2f}x (best of {len(ours)} each; median of the rounds' "
                   f"ratios {row['median_round_ratio']:.2f}x)", flush=True)
         del engine

@@ -82,6 +82,7 @@ def test_requests_timed_on_another_thread_run_there_and_give_the_same_tokens(tin
 @pytest.mark.parametrize("flags, says", [
     (["--compile-wrapper", "cpp"], "--compile-wrapper applies to the compiled step: add --compile"),
     (["--compile", "--compile-wrapper", "java"], "invalid choice: 'java'"),
+    (["--kv", "f8"], "invalid choice: 'f8'"),
 ])
 def test_llamacpp_peer_refuses_a_wrapper_before_it_builds_anything(flags, says, capsys):
     """A wrong ``--compile-wrapper`` is refused by argparse, before llama.cpp is built (minutes)."""
@@ -90,3 +91,19 @@ def test_llamacpp_peer_refuses_a_wrapper_before_it_builds_anything(flags, says, 
     with pytest.raises(SystemExit) as e:
         llamacpp_peer.main(flags)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["16-bit", "model"])
+@pytest.mark.parametrize("dtype,kind", [("float32", "f32"), ("bfloat16", "bf16"),
+                                        ("float32", "q8_0")])
+def test_both_engines_store_kv_in_as_many_bytes(policy, dtype, kind):
+    """``--kv``: minillm's pool and llama.cpp's cache hold a K/V number in the same bytes."""
+    import torch
+
+    from minillm.bench.llamacpp_peer import kv_types
+    from minillm.layers.kv_quant import get_format
+
+    ours, theirs = kv_types(policy, dtype, kind)
+    width = get_format(ours).storage_dtype(getattr(torch, dtype)).itemsize
+    assert width == {"f16": 2, "bf16": 2, "f32": 4}[theirs]
+    assert (width == 2) == (policy == "16-bit" or dtype == "bfloat16")

@@ -15,6 +15,8 @@ from minillm import LLM, SamplingParams
 from minillm.engines import create_engine, resolve
 from minillm.engines.r14_compiled.config import (DEFAULT_BUCKETS, CompileConfig, bucket_for,
                                                  parse_buckets)
+from minillm.engines.r14_compiled.graph import GraphLinear
+from minillm.engines.r14_compiled.ops import load_step_linear
 from minillm.layers.attention.cpp import cpp_available
 from minillm.layers.quant import w8a8_missing
 
@@ -82,6 +84,11 @@ def test_compiled_greedy_equals_eager(pair, n_prompts):
     assert got == want
     runner = pair[0].engine.runner
     assert runner.steps["compiled"] > 0 and runner.native     # the C++ attention operator
+    if load_step_linear() is not None:                  # and the C++ linear operator
+        packed = [m for m in runner.graph.modules() if isinstance(m, GraphLinear) and
+                  m.index is not None]
+        assert packed and all(m.native for m in packed)
+        assert runner.graph.linear_table is not None
     assert set(runner.compile_s) <= set(parse_buckets(BUCKETS))
 
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from ...layers.fused import EagerOps
 from ...layers import gemv
-from ...layers.gemv import MAX_ROWS, StreamedLinear
-from ...layers.linear import Linear
+from ...layers.gemv import MAX_ROWS, GemvLinear, StreamedLinear
+from ...layers.linear import Linear, OneDNNLinear
 from ...layers.quant import Int8Linear, int8_path, int8_path_with_kernel
 from ...layers.attention import cpp  # noqa: F401  (declares minillm::decode_step_attention)
 from . import ops  # noqa: F401  (registers torch.ops.minillm.decode_attention)
@@ -31,7 +31,7 @@ class GraphLinear(nn.Module):
 
     def __init__(self, lin: Linear, linears: list):
         super().__init__()
-        self.index, self.out_features = None, lin.out_features
+        self.index, self.out_features, self.native = None, lin.out_features, False
         # the operator exists once its extension is loaded: eager calls load it on their first
         # few-row product, but a process's first step may be a compiled one (a one-token prompt)
         self.streamed = isinstance(lin.kernel, StreamedLinear) and gemv.load() is not None
@@ -45,6 +45,8 @@ class GraphLinear(nn.Module):
         if not lin.kernel.traceable:
             self.index = len(linears)
             linears.append(lin)
+            # oneDNN's packed copy: the C++ operator where it built, else the Python op
+            self.native = onednn_weight(lin) is not None and ops.load_step_linear() is not None
             return
         self.kernel = lin.kernel
         # int8's path depends on the CPU (asked here: the question does not trace) and on the
@@ -61,6 +63,8 @@ class GraphLinear(nn.Module):
         # the shape and dtype are the bucket's, fixed while tracing: one branch per graph
         if self.streamed and x.shape[0] <= MAX_ROWS and x.dtype in self.kernel.stream_dtypes:
             return self.kernel.stream(x, (self.w, self.scale), self.bias, residual)
+        if self.index is not None and self.native:
+            return torch.ops.minillm.step_linear(x, residual, self.index, self.out_features)
         if self.index is not None:
             return torch.ops.minillm.packed_linear(x, residual, self.index, self.out_features)
         packed = tuple(getattr(self, f"p{i}") for i in range(self.parts)) if self.parts else \
@@ -70,6 +74,14 @@ class GraphLinear(nn.Module):
             kernel = Int8Linear(int8_path_with_kernel(x.dtype, x.shape[0]) if self.int8_kernel
                                 else "dequant")
         return kernel(x, packed, self.bias, residual)
+
+
+def onednn_weight(lin: Linear) -> torch.Tensor | None:
+    """oneDNN's packed copy of ``lin``'s weight where its many-row products use one, else None."""
+    kernel, packed = lin.kernel, lin.packed
+    if isinstance(kernel, GemvLinear):
+        kernel, packed = kernel.base, packed[1]
+    return packed if isinstance(kernel, OneDNNLinear) else None
 
 
 class DecodeGraph(nn.Module):
@@ -86,6 +98,11 @@ class DecodeGraph(nn.Module):
         self.lm_head = GraphLinear(net.lm_head, self.linears)
         self.layers = nn.ModuleList(DecodeLayer(w, i, net, self.linears, native)
                                     for i, w in enumerate(net.layers))
+        # the packed weights step_linear reads, registered once (ops.LinearTable)
+        module = ops.load_step_linear()
+        self.linear_table = ops.LinearTable(
+            module, [onednn_weight(lin) for lin in self.linears],
+            [lin.bias for lin in self.linears]) if module and self.linears else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids, self.embed)
@@ -118,4 +135,4 @@ class DecodeLayer(nn.Module):
         return self.down(EagerOps.silu_mul(self.gate_up(x)), residual=h)
 
 
-__all__ = ["DecodeGraph", "GraphLinear"]
+__all__ = ["DecodeGraph", "GraphLinear", "onednn_weight"]

@@ -22,10 +22,14 @@ context, set once per step in C++, and no Python at all per layer -- the Python 
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from ...layers.attention.cpp import load_extension
 
 
 @dataclass
@@ -41,6 +45,7 @@ class StepContext:
     scale: float
     linears: list = field(default_factory=list)    # the Linears packed_linear computes (graph.py)
     native: bool = False            # the graph calls the backend's C++ op (decode_step_attention)
+    linear_table: "LinearTable | None" = None   # the packed weights step_linear reads
 
 
 # per thread: rung 12's ThreadExecutor runs forwards on a worker thread
@@ -60,6 +65,8 @@ class step_context:
             c = self.ctx
             self.stack.enter_context(c.backend.step_context(
                 c.caches, c.slot_mapping, c.block_tables, c.context_lens, c.rows, c.scale))
+        if self.ctx.linear_table is not None:
+            self.stack.enter_context(self.ctx.linear_table.on_this_thread())
         return self.ctx
 
     def __exit__(self, *exc):
@@ -119,4 +126,47 @@ def _(x, residual, index, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-__all__ = ["StepContext", "current", "decode_attention", "packed_linear", "step_context"]
+# The same product with no Python around it: ``minillm::step_linear`` (csrc/step_linear.cpp) finds
+# the packed weight in a table the runner registers once (``LinearTable``) and calls oneDNN's
+# operator from C++. At 32 rows the Python op's ~121 calls a step cost ~3 ms (measured,
+# docs/rungs/14_compiled.md). Without a C++ compiler, ``packed_linear`` above serves.
+torch.library.define("minillm::step_linear",
+                     "(Tensor x, Tensor? residual, int index, int out_features) -> Tensor")
+
+
+@torch.library.register_fake("minillm::step_linear")
+def _(x, residual, index, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+_SOURCE = Path(__file__).with_name("csrc") / "step_linear.cpp"
+_state: dict = {}
+
+
+def load_step_linear():
+    """The built ``step_linear`` module, or None (the reason in ``_state["error"]``)."""
+    return load_extension(_SOURCE, _state, "rung 14's C++ linear operator (step_linear)",
+                          "the Python packed_linear op", stem="minillm_step_linear")
+
+
+class LinearTable:
+    """oneDNN's packed weights of one compiled graph, registered once in ``step_linear``'s table
+    (None where a layer's kernel has no packed copy: that layer never calls the operator)."""
+
+    def __init__(self, module, packed: list, biases: list):
+        empty = torch.empty(0)
+        self.module = module
+        self.handle = module.register_linears([p if p is not None else empty for p in packed],
+                                              biases)
+        weakref.finalize(self, module.release_linears, self.handle)
+
+    def on_this_thread(self):
+        """``with table.on_this_thread():`` -- the table this thread's operators read."""
+        stack = ExitStack()
+        self.module.set_linears(self.handle)
+        stack.callback(self.module.clear_linears)
+        return stack
+
+
+__all__ = ["LinearTable", "StepContext", "current", "decode_attention", "load_step_linear",
+           "packed_linear", "step_context"]

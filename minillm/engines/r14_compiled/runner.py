@@ -97,7 +97,7 @@ class CompiledRunner(ModelRunner):
             pos = torch.cat([pos, pos.new_zeros(pad)])
         ctx = StepContext(rows, self.pool.caches, self.backend, meta.slot_mapping,
                           meta.decode_block_tables, meta.decode_context_lens, self.net.scale,
-                          self.graph.linears, self.native)
+                          self.graph.linears, self.native, self.graph.linear_table)
         logits = self.call(bucket, ids, pos, ctx)
         return [s for s, _ in order], logits[:rows], []
 
@@ -139,7 +139,8 @@ class CompiledRunner(ModelRunner):
             ctx = StepContext(bucket, self.pool.caches, self.backend, slots,
                               torch.zeros(bucket, 1, dtype=torch.int32, device=self.device),
                               torch.ones(bucket, dtype=torch.int32, device=self.device),
-                              self.net.scale, self.graph.linears, self.native)
+                              self.net.scale, self.graph.linears, self.native,
+                              self.graph.linear_table)
             self.call(bucket, ids, pos, ctx)
             done.append(bucket)
         return done

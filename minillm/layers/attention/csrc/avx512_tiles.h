@@ -149,6 +149,31 @@ static inline void v_row(const S* v, __m512* out) {
   }
 }
 
+// The weighted sum of one tile's V rows into NH query heads at once (fp32 arithmetic): each row
+// is loaded, and widened if stored narrower, once for the NH heads of its group -- per head, it
+// was loaded and widened NH times. The sums per head are added in the same order as before, so
+// the outputs are bit for bit the same; at SmolLM2's shape (3 heads a group), 32 rows x 192
+// tokens x 30 layers, fp16 pool, 2 threads: see docs/rungs/14_compiled.md.
+template <typename S, int D, int NH>
+static inline void pv_rows(const S* vpool, const int64_t* slots, int n, int64_t stride,
+                           const float (*p)[16], const float* shrink, float* acc) {
+  constexpr int C = D / 16;
+  __m512 o[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c)
+      o[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c * 16), _mm512_set1_ps(shrink[h]));
+  for (int j = 0; j < n; ++j) {
+    __m512 v[C];
+    v_row<S, D>(vpool + slots[j] * stride, v);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pj = _mm512_set1_ps(p[h][j]);
+      for (int c = 0; c < C; ++c) o[h][c] = _mm512_fmadd_ps(pj, v[c], o[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + c * 16, o[h][c]);
+}
+
 #if defined(__AVX512BF16__)
 // A bf16 model's weighted sum of V, two tokens per instruction (vdpbf16ps), into NH query heads
 // at once. Tokens 2k and 2k+1's rows are interleaved (unpacklo/hi: the same lane order as v_row's,

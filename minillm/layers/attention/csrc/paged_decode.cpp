@@ -191,34 +191,41 @@ static void decode_seq(const float* q, const c10::BFloat16* qb, const S* k_cache
       } else {
         tile_rows<S, D>(kpool, tile.slots, tile.n, stride, buf, rows);
       }
-      for (int64_t h = kvh * g; h < (kvh + 1) * g; ++h) {
-        __m512 raw;
+      // the g query heads of this KV head, MaxG at a time: their weights first, then one pass
+      // over the tile's V rows for all of them (pv_rows: each row read and widened once)
+      constexpr int MaxG = D == 64 ? 4 : 2;
+      for (int64_t hc = kvh * g; hc < (kvh + 1) * g; hc += MaxG) {
+        const int nh = int(std::min<int64_t>(MaxG, (kvh + 1) * g - hc));
+        alignas(64) float p[MaxG][16];
+        float shrink[MaxG];
+        for (int i = 0; i < nh; ++i) {
+          const int64_t h = hc + i;
+          __m512 raw;
 #if defined(__AVX512BF16__)
-        if constexpr (InPlace) raw = scores16_bf16<D>(qb + h * D, krows);
-        else raw = scores16<D>(q + h * D, rows);
+          if constexpr (InPlace) raw = scores16_bf16<D>(qb + h * D, krows);
+          else raw = scores16<D>(q + h * D, rows);
 #else
-        raw = scores16<D>(q + h * D, rows);   // InPlace needs AVX512-BF16: not built here
+          raw = scores16<D>(q + h * D, rows);   // InPlace needs AVX512-BF16: not built here
 #endif
-        const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
-                                              _mm512_mul_ps(raw, mult));
-        // online softmax: a new largest score shrinks what was summed so far by e^(old - new)
-        const float m_new = std::max(mx[h], _mm512_reduce_max_ps(s));
-        const float shrink = std::exp(mx[h] - m_new);   // 0 on the first tile
-        const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        sum[h] = sum[h] * shrink + _mm512_reduce_add_ps(e);
-        mx[h] = m_new;
-        alignas(64) float p[16];
-        _mm512_store_ps(p, e);
-        __m512 o[C];
-        for (int c = 0; c < C; ++c)
-          o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + c * 16), _mm512_set1_ps(shrink));
-        for (int j = 0; j < tile.n; ++j) {
-          const __m512 pj = _mm512_set1_ps(Scaled ? p[j] * vs[j] : p[j]);
-          __m512 v[C];
-          v_row<S, D>(v_cache + tile.slots[j] * stride + kvh * D, v);
-          for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(pj, v[c], o[c]);
+          const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                _mm512_mul_ps(raw, mult));
+          // online softmax: a new largest score shrinks what was summed so far by e^(old - new)
+          const float m_new = std::max(mx[h], _mm512_reduce_max_ps(s));
+          shrink[i] = std::exp(mx[h] - m_new);   // 0 on the first tile
+          const __m512 e = _mm512_maskz_mov_ps(valid,
+                                               exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          sum[h] = sum[h] * shrink[i] + _mm512_reduce_add_ps(e);
+          mx[h] = m_new;
+          _mm512_store_ps(p[i], Scaled ? _mm512_mul_ps(e, _mm512_loadu_ps(vs)) : e);
         }
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * D + c * 16, o[c]);
+        const S* vpool = v_cache + kvh * D;
+        float* a = acc + hc * D;
+        if (nh == 1) pv_rows<S, D, 1>(vpool, tile.slots, tile.n, stride, p, shrink, a);
+        else if (nh == 2) pv_rows<S, D, 2>(vpool, tile.slots, tile.n, stride, p, shrink, a);
+        else if constexpr (MaxG == 4) {
+          if (nh == 3) pv_rows<S, D, 3>(vpool, tile.slots, tile.n, stride, p, shrink, a);
+          else pv_rows<S, D, 4>(vpool, tile.slots, tile.n, stride, p, shrink, a);
+        }
       }
     }
   }
