@@ -104,7 +104,34 @@ def test_the_context_is_the_threads_own():
     assert len(seen) == 1 and "outside a compiled decode step" in seen[0]
 
 
-def test_serves_plain_cpu_pools_only():
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows,bucket", [(1, 1), (3, 8)])
+def test_a_pool_of_16_bit_casts_is_served_as_the_eager_path_serves_it(fmt, rows, bucket):
+    """An fp32 model on rung 9's 16-bit pool: the operator casts the new rows as the pool's own
+    write does and reads the pool's storage; outputs and pools equal the eager path's."""
+    from minillm.layers.kv_quant import QuantizedPool, get_format
+    backend = CppAttention()
+    slots, tables, lens = step(rows, seed=rows + 5)
+    g = torch.Generator().manual_seed(bucket + 5)
+    q, k, v = (torch.randn(bucket, n, D, generator=g) for n in (H, KVH, KVH))
+
+    def narrow():
+        return [tuple(QuantizedPool(t.to(get_format(fmt).storage), None, get_format(fmt),
+                                    torch.float32) for t in pair) for pair in pools(torch.float32)]
+    mine, ref = narrow(), narrow()
+    assert backend.serves_step(mine)
+    with backend.step_context(mine, slots, tables, lens, rows, 0.25):
+        got = [torch.ops.minillm.decode_step_attention(q, k, v, layer) for layer in range(LAYERS)]
+    for layer, (kc, vc) in enumerate(ref):
+        backend.write_kv(k[:rows], v[:rows], kc, vc, slots)
+        want = backend.decode(q[:rows], kc, vc, tables, lens, 0.25)
+        assert torch.equal(got[layer][:rows], want), layer
+        assert not got[layer][rows:].any(), "padding rows are zeros"
+        assert torch.equal(mine[layer][0].data, kc.data) and torch.equal(mine[layer][1].data,
+                                                                           vc.data)
+
+
+def test_serves_plain_cpu_pools_and_16_bit_casts_only():
     from minillm.layers.kv_quant import QuantizedPool, get_format
     backend = CppAttention()
     assert backend.serves_step(pools(torch.float32)) and backend.serves_step(pools(torch.bfloat16))

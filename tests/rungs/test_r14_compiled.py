@@ -158,6 +158,20 @@ def test_compiled_int8_equals_eager_int8(tiny, quantization, wrapper):
 
 
 @pytest.mark.slow
+def test_compiled_on_a_16_bit_pool_calls_the_c_operator_and_equals_eager(tiny):
+    """An fp32 model on rung 9's float16 pool (what llama.cpp keeps beside f32 weights): the
+    compiled step's attention is the C++ operator, not the Python op (~140 us a layer), and the
+    tokens are the eager engine's."""
+    kw = {"kv_cache_dtype": "float16", **TIGHT}
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS, **kw)
+    eager = LLM(tiny, engine="paged", **kw)
+    got, want = run_both((compiled, eager), random_prompts(3, seed=9, lo=3, hi=12),
+                         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert got == want and compiled.engine.runner.steps["compiled"] > 0
+    assert compiled.engine.runner.native == cpp_available()
+
+
+@pytest.mark.slow
 def test_each_bucket_gets_its_graph_with_the_module_guards_skipped(tiny):
     """The compiled call keeps only its inputs' guards (runner.py: the weights never change):
     a batch of 2 after a batch of 1 still finds (compiles) bucket 2's graph, and 1 finds its own

@@ -130,9 +130,10 @@ class CppAttention(TorchAttention):
 
     def serves_step(self, caches: list) -> bool:
         """Whether ``decode_step_attention`` computes a compiled decode step on these pools:
-        plain CPU tensors (a rung 9 pool with scales keeps the Python op, ops.py of rung 14)."""
+        CPU tensors, plain or a rung 9 pool of 16-bit casts (a pool with scales keeps the Python
+        op, ops.py of rung 14)."""
         return self.kernel is not None and all(
-            type(k) is torch.Tensor and type(v) is torch.Tensor and k.device.type == "cpu"
+            _plain(k) is not None and _plain(v) is not None and k.device.type == "cpu"
             for k, v in caches)
 
     def step_context(self, caches: list, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -157,10 +158,20 @@ class CppAttention(TorchAttention):
         return super().extend(q, k_new, v_new, k_cache, v_cache, meta, scale)
 
 
+def _plain(pool) -> torch.Tensor | None:
+    """The tensor a pool's rows are in, where they need no scale: the pool itself, or a 16-bit
+    cast's storage (the new rows are cast to it as they are written, decode_step.h)."""
+    if type(pool) is torch.Tensor:
+        return pool
+    if isinstance(pool, QuantizedPool) and pool.scale is None:
+        return pool.data
+    return None
+
+
 class _StepContext:
     def __init__(self, kernel, caches, slot_mapping, block_tables, context_lens, rows, scale):
         self.kernel = kernel
-        self.args = ([k for k, _ in caches], [v for _, v in caches], slot_mapping,
+        self.args = ([_plain(k) for k, _ in caches], [_plain(v) for _, v in caches], slot_mapping,
                      block_tables.contiguous(), context_lens.contiguous(), rows, scale)
 
     def __enter__(self):

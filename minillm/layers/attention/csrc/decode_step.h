@@ -39,14 +39,17 @@ void set_step_context(std::vector<torch::Tensor> k_caches, std::vector<torch::Te
 
 void clear_step_context() { step_context = StepContext(); }
 
-// src [>= n, KVH, D] in the pool's dtype -> pool's flat slots[t] for t < n
+// src [>= n, KVH, D] -> pool's flat slots[t] for t < n; rows of a wider float type are cast to
+// the pool's (a rung 9 pool of 16-bit casts: what its Python write does, kv_quant.py)
 static void write_rows(const torch::Tensor& src, torch::Tensor& pool, const int64_t* slots,
                        int64_t n) {
-  TORCH_CHECK(src.scalar_type() == pool.scalar_type() && src.size(1) == pool.size(2) &&
-                  src.size(2) == pool.size(3),
+  TORCH_CHECK(src.size(1) == pool.size(2) && src.size(2) == pool.size(3) &&
+                  (src.scalar_type() == pool.scalar_type() ||
+                   (at::isFloatingType(src.scalar_type()) && (pool.scalar_type() == at::kHalf ||
+                                                              pool.scalar_type() == at::kBFloat16))),
               "new K/V rows of ", src.scalar_type(), " ", src.sizes(), " do not fit a pool of ",
               pool.scalar_type(), " ", pool.sizes());
-  const torch::Tensor rows = src.narrow(0, 0, n).contiguous();
+  const torch::Tensor rows = src.narrow(0, 0, n).to(pool.scalar_type()).contiguous();
   const int64_t bytes = pool.size(2) * pool.size(3) * pool.element_size();
   const int64_t capacity = pool.size(0) * pool.size(1);
   char* dst = static_cast<char*>(pool.data_ptr());
