@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 from ...runtime.config import check_bool, option
 
-# nano-vllm's CUDA-graph sizes, doubling: a batch of n decodes runs in the smallest bucket that
-# holds it, so each shape is compiled once and a batch never waits for a bigger compile than 2n.
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# nano-vllm's CUDA-graph sizes: 1, 2, 4, 8, then every 16 (vLLM's: every 8). A batch of n decodes
+# runs in the smallest bucket that holds it, so each shape is compiled once. Every 16 and not
+# doubling: on a CPU a padded row costs what a real one does -- with doubling buckets, 33 rows ran
+# as 64 and the compiled engine was slower than the eager one at max_num_seqs 64
+# (docs/rungs/14_compiled.md); on a GPU a few rows more are nearly free.
+DEFAULT_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 129, 16))
 WRAPPERS = ("python", "cpp")
 
 
@@ -44,7 +47,8 @@ class CompileConfig:
                "the compiled engine")
     compile_buckets: str | None = option(
         None, "compiled: the batch sizes decode steps are padded to, each compiled once on "
-              "first use, e.g. '1,2,4,8' (default 1,2,4,...,128); a larger batch runs eagerly")
+              "first use, e.g. '1,2,4,8' (default 1,2,4,8 then every 16 up to 128); a larger "
+              "batch runs eagerly")
     compile_wrapper: str = option(
         "python", "compiled: the code around the step's kernels, 'python' (inductor's default) "
                   "or 'cpp' (inductor's C++ wrapper: no Python between the ~150 kernel and "

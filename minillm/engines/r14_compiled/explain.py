@@ -37,7 +37,7 @@ def explain(model, rows: int = 2) -> dict[str, dict]:
     graph = DecodeGraph(runner.net)
     ctx = StepContext(rows, runner.pool.caches, backend, meta.slot_mapping,
                       meta.decode_block_tables, meta.decode_context_lens, runner.net.scale,
-                      graph.linears)
+                      graph.linears, linear_table=graph.linear_table)
     torch._dynamo.reset()
     with step_context(ctx), torch.inference_mode():
         out["DecodeGraph"] = _summary(torch._dynamo.explain(graph)(ids, pos))

@@ -22,8 +22,10 @@ from itertools import combinations
 
 import pytest
 
+from minillm.engines.r14_compiled.config import DEFAULT_BUCKETS
+
 OUTSIDE = True       # judged in the grading process on values from the student's (grade.py)
-DEFAULT = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT = DEFAULT_BUCKETS     # what None names: the engine's own default
 
 
 def reference_bucket(n: int, buckets: tuple[int, ...]):
