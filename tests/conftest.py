@@ -117,3 +117,16 @@ def drain(engine, finals: Counter | None = None, max_steps: int = 10_000) -> Cou
                  f"{len(engine.scheduler.running)}, free blocks "
                  f"{engine.block_manager.num_free_blocks}")
     raise AssertionError(f"engine never drained: no end after {max_steps} steps{state}")
+
+
+def graph_ops(module, *inputs) -> set[str]:
+    """The operators in the graph ``torch.compile`` traces for ``module(*inputs)`` (rung 14)."""
+    seen: set[str] = set()
+
+    def record(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=record, fullgraph=True)(*inputs)
+    return seen

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_greedy_match, hf_greedy, random_prompts
+from conftest import assert_greedy_match, graph_ops, hf_greedy, random_prompts
 from minillm import LLM, SamplingParams
 from minillm.layers import gemv
 from minillm.layers.linear import Linear, OneDNNLinear, TorchLinear, get_linear_kernel
@@ -117,19 +117,6 @@ def test_engine_int8_decodes_like_the_widening_path(tiny, monkeypatch):
     prefix = sum(next((i for i, (a, c) in enumerate(zip(g, h)) if a != c), len(g))
                  for g, h in zip(got, want))
     assert prefix >= 0.9 * sum(map(len, want)), (got, want)
-
-
-def graph_ops(module, x) -> set[str]:
-    """The operators in the graph ``torch.compile`` traces for ``module(x)``."""
-    seen: set[str] = set()
-
-    def record(gm, inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(module, backend=record, fullgraph=True)(x)
-    return seen
 
 
 @pytest.mark.parametrize("kernel,dtype", [("gemv", torch.float32), ("int8", torch.float32),

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from conftest import graph_ops
 
 from minillm.engines.r14_compiled import ops
 from minillm.engines.r14_compiled.graph import GraphLinear, onednn_weight
@@ -55,18 +56,6 @@ def test_the_operator_is_the_eager_product(dtype, bias, rows):
         z = torch.ops.minillm.step_linear(y, res, 1, 24)
     # the same oneDNN call as the eager kernel: the same numbers, bit for bit
     assert torch.equal(y, lins[0](x)) and torch.equal(z, lins[1](lins[0](x), residual=res))
-
-
-def graph_ops(module, x) -> set[str]:
-    seen: set[str] = set()
-
-    def record(gm, inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(module, backend=record, fullgraph=True)(x)
-    return seen
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "gemv over onednn", "torch"])
