@@ -91,7 +91,8 @@ bench-vllm: setup
 # llama-cpp-python sdist, built once with CMake for this CPU (~10-15 min on 2 cores, kept in
 # .llamacpp/), SmolLM2 converted by its convert_hf_to_gguf.py (f32, bf16) and quantized (q8_0);
 # one stream (llama-bench) and batches (llama-batched-bench) alternating with minillm's, the
-# same threads. Writes figures/bench_llamacpp.json.
+# same threads, both caches in 16 bits (llama.cpp's default; --kv model: the weights' dtype).
+# Writes figures/bench_llamacpp.json.
 bench-llamacpp: setup
 	$(BIN)/python -m minillm.bench.llamacpp_peer --json figures/bench_llamacpp.json
 
