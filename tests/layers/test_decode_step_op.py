@@ -43,6 +43,18 @@ def test_the_operator_is_write_kv_then_decode(dtype, rows, bucket):
     g = torch.Generator().manual_seed(bucket)
     q, k, v = (torch.randn(bucket, n, D, generator=g).to(dtype) for n in (H, KVH, KVH))
     mine, ref = pools(dtype), pools(dtype)
+    got = operator_against_eager(backend, mine, ref, (q, k, v), (slots, tables, lens), rows)
+    for layer, (kc, vc) in enumerate(ref):
+        assert torch.equal(mine[layer][0], kc) and torch.equal(mine[layer][1], vc)
+        assert got[layer].dtype == dtype and got[layer].shape == q.shape
+
+
+def operator_against_eager(backend, mine, ref, qkv, meta, rows):
+    """Every layer's operator output on pools ``mine`` inside a step context, checked against the
+    backend's eager ``write_kv`` then ``decode`` on pools ``ref`` (padding rows zeros). Returns
+    the operator's outputs; ``ref`` holds the eagerly written pools after."""
+    q, k, v = qkv
+    slots, tables, lens = meta
     with backend.step_context(mine, slots, tables, lens, rows, 0.25):
         got = [torch.ops.minillm.decode_step_attention(q, k, v, layer) for layer in range(LAYERS)]
     for layer, (kc, vc) in enumerate(ref):
@@ -50,8 +62,7 @@ def test_the_operator_is_write_kv_then_decode(dtype, rows, bucket):
         want = backend.decode(q[:rows], kc, vc, tables, lens, 0.25)
         assert torch.equal(got[layer][:rows], want), layer
         assert not got[layer][rows:].any(), "padding rows are zeros"
-        assert torch.equal(mine[layer][0], kc) and torch.equal(mine[layer][1], vc)
-        assert got[layer].dtype == dtype and got[layer].shape == q.shape
+    return got
 
 
 def test_no_context_or_one_that_does_not_fit_is_an_error():
@@ -120,13 +131,8 @@ def test_a_pool_of_16_bit_casts_is_served_as_the_eager_path_serves_it(fmt, rows,
                                     torch.float32) for t in pair) for pair in pools(torch.float32)]
     mine, ref = narrow(), narrow()
     assert backend.serves_step(mine)
-    with backend.step_context(mine, slots, tables, lens, rows, 0.25):
-        got = [torch.ops.minillm.decode_step_attention(q, k, v, layer) for layer in range(LAYERS)]
+    operator_against_eager(backend, mine, ref, (q, k, v), (slots, tables, lens), rows)
     for layer, (kc, vc) in enumerate(ref):
-        backend.write_kv(k[:rows], v[:rows], kc, vc, slots)
-        want = backend.decode(q[:rows], kc, vc, tables, lens, 0.25)
-        assert torch.equal(got[layer][:rows], want), layer
-        assert not got[layer][rows:].any(), "padding rows are zeros"
         assert torch.equal(mine[layer][0].data, kc.data) and torch.equal(mine[layer][1].data,
                                                                            vc.data)
 

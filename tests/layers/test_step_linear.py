@@ -19,7 +19,7 @@ from minillm.layers.linear import Linear, OneDNNLinear, TorchLinear, onednn_work
 
 pytestmark = [
     pytest.mark.skipif(ops.load_step_linear() is None,
-                       reason=f"step_linear cannot be built here: {ops._state.get('error')}"),
+                       reason=f"step_linear cannot be built here: {ops.step_linear_error()}"),
     pytest.mark.skipif(not onednn_works(), reason="no oneDNN on this CPU")]
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if onednn_works(torch.bfloat16) else [])
