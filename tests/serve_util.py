@@ -43,6 +43,39 @@ def running_server(llm: LLM, **app_options):
         assert not thread.is_alive(), "the test server did not stop"
 
 
+@contextmanager
+def held_until_abort(loop, after_tokens: int = 32, timeout_s: float = 60.0):
+    """Hold the engine loop's thread, from the first step after which a request has been handed
+    ``after_tokens`` tokens, until a handler calls ``loop.abort``: a hang-up test's request then
+    cannot end before its client leaves, however busy the machine (under a loaded CI a
+    2,000-token request once ended before its client had read 5 chunks). Leaving the block waits
+    for that abort too. The hold is an ``on_step`` hook, the seam a dashboard uses; one never
+    released ends after ``timeout_s`` and the test's own assertions fail."""
+    aborted, held = threading.Event(), threading.Event()
+    real_abort = loop.abort
+
+    def abort(request_id: str) -> None:
+        real_abort(request_id)          # in the inbox first: the loop reads it once released
+        aborted.set()
+
+    def hold(lp, out) -> None:
+        if held.is_set() or not any(sum(h.sent.values()) >= after_tokens
+                                    for h in lp.handles.values()):
+            return
+        held.set()
+        aborted.wait(timeout_s)
+
+    loop.abort = abort                  # an instance attribute: the class's method is untouched
+    loop.on_step.append(hold)
+    try:
+        yield held
+        aborted.wait(timeout_s)         # the client has left: hold on until its handler notices
+    finally:
+        aborted.set()                   # never leave the loop held behind a failed test
+        loop.on_step.remove(hold)
+        del loop.abort
+
+
 def wait_until(condition, timeout_s: float = 10.0, what: str = "condition") -> None:
     """Poll ``condition`` (bounded in time and count); fail with ``what`` if it never holds."""
     deadline = time.monotonic() + timeout_s

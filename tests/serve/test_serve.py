@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 
 from minillm import LLM, SamplingParams
 from minillm.serve.detok import IncrementalDetokenizer
-from serve_util import offline, running_server, server, wait_until  # noqa: F401 (fixtures)
+from serve_util import held_until_abort, offline, running_server, server, wait_until  # noqa: F401 (fixtures)
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "Once upon a time",
            "def main():", "Q: why is the sky blue?\nA:", "<html>", "zzz", "a", "Tell me a story",
@@ -141,16 +141,17 @@ def test_disconnect_mid_stream_frees_blocks(server):
     url, app = server
     loop = app.state.loop
     before = loop.metrics.finished.get("abort", 0)
-    stream = client(url).completions.create(model="tiny-llama", prompt="Never ending",
-                                            max_tokens=1200, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
-    got = 0
-    for ch in stream:
-        got += 1
-        if got == 5:
-            break
-    assert not pool_full(app), "the request should hold blocks while it streams"
-    stream.close()
+    with held_until_abort(loop):        # it cannot end before we hang up
+        stream = client(url).completions.create(model="tiny-llama", prompt="Never ending",
+                                                max_tokens=1200, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        got = 0
+        for ch in stream:
+            got += 1
+            if got == 5:
+                break
+        assert not pool_full(app), "the request should hold blocks while it streams"
+        stream.close()
     wait_until(lambda: pool_full(app), what="the aborted request's blocks back in the pool")
     assert loop.metrics.finished.get("abort", 0) == before + 1
 
@@ -160,7 +161,7 @@ def test_non_streaming_client_that_gives_up_frees_blocks(server):
     url, app = server
     before = app.state.loop.metrics.finished.get("abort", 0)
     body = {"model": "tiny-llama", "prompt": "long", "max_tokens": 1200, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
+    with held_until_abort(app.state.loop), pytest.raises(httpx.TimeoutException):
         httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
     wait_until(lambda: pool_full(app), what="the abandoned request's blocks back in the pool")
     assert app.state.loop.metrics.finished.get("abort", 0) == before + 1
