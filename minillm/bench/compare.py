@@ -277,7 +277,8 @@ def run_offline(model: str, bodies: list[dict], offsets: list[float], max_num_se
 
 
 def span(values: list[float], most_only: bool) -> str:
-    """A polled column of ``MetricsWatch`` in a cell: its largest value, or its range."""
+    """Values in a cell (a polled column of ``MetricsWatch``, a number over rounds): the largest,
+    or the range."""
     if not values:
         return "-"
     top = f"{max(values):.0f}"
@@ -300,6 +301,14 @@ def side_by_side(results: dict[str, dict]) -> str:
         cells = [f"{r['completed']}/{r['failed']}" if key is None else
                  fmt.format(r[key]) if r.get(key) is not None else "-" for r in results.values()]
         lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
+    if any(len(r.get("rounds", ())) > 1 for r in results.values()):
+        # the medians above hide how far one server's rounds spread: on a shared 2-core host
+        # minillm's bf16 TTFT P50 at 8/s ran 449-734 ms where vLLM's ran 449-456
+        for label, key in (("TTFT P50, rounds min-max", "median_ttft_ms"),
+                           ("TPOT P50, rounds min-max", "median_tpot_ms")):
+            cells = [span([x[key] for x in r.get("rounds", ()) if x.get(key) == x.get(key)], False)
+                     for r in results.values()]
+            lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
     for label, col in (("most waiting (polled)", 2), ("batch cap, min-max", 3)):
         cells = [span([x[col] for x in r.get("timeline", []) if x[col] is not None], col == 2)
                  for r in results.values()]

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from minillm.__main__ import main
+from minillm.bench import compare
 from minillm.bench.loadgen import median_of
 
 ARGS = ["bench", "--serve", "offline", "--model", "tiny-llama", "--rate", "50", "--requests", "4",
@@ -25,6 +26,26 @@ def test_each_number_is_the_median_of_the_rounds(tmp_path, capsys):
         assert row[key] == statistics.median(r[key] for r in row["rounds"]), key
     text = capsys.readouterr().out
     assert "offline, round 3 of 3" in text and "each row: the median of 3 rounds" in text
+    ttft = sorted(r["median_ttft_ms"] for r in row["rounds"])
+    spread = next(line for line in text.splitlines() if line.startswith("TTFT P50, rounds"))
+    assert spread.split()[-1] == f"{ttft[0]:.0f}-{ttft[-1]:.0f}", spread
+
+
+def test_the_spread_of_the_rounds_is_shown_beside_their_median():
+    """A server of one round shows no range, and a NaN round (its requests all failed) is left
+    out of the range rather than printed."""
+    base = {"completed": 4, "failed": 0, "output_throughput": 10.0, "request_throughput": 1.0,
+            "median_ttft_ms": 120.0, "p99_ttft_ms": 5.0, "median_tpot_ms": 40.0,
+            "p99_tpot_ms": 50.0, "median_itl_ms": 38.0, "median_e2el_ms": 900.0,
+            "preemptions": 0}
+    several = {**base, "rounds": [dict(base, median_ttft_ms=v, median_tpot_ms=t) for v, t in
+                                  ((120.0, 40.0), (449.4, 35.2), (float("nan"), 52.0))]}
+    lines = compare.side_by_side({"a": several, "b": base}).splitlines()
+    ttft = next(line for line in lines if line.startswith("TTFT P50, rounds min-max"))
+    tpot = next(line for line in lines if line.startswith("TPOT P50, rounds min-max"))
+    assert ttft.split()[-2:] == ["120-449", "-"] and tpot.split()[-2:] == ["35-52", "-"]
+    assert not any("rounds min-max" in line for line in
+                   compare.side_by_side({"a": base, "b": base}).splitlines())
 
 
 def test_a_round_that_failed_requests_shows_in_the_row():
