@@ -68,7 +68,7 @@ def held_until_abort(loop, after_tokens: int = 32, timeout_s: float = 60.0):
     loop.abort = abort                  # an instance attribute: the class's method is untouched
     loop.on_step.append(hold)
     try:
-        yield held
+        yield
         aborted.wait(timeout_s)         # the client has left: hold on until its handler notices
     finally:
         aborted.set()                   # never leave the loop held behind a failed test

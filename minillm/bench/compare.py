@@ -18,6 +18,7 @@ beside ``minillm`` it shows what serving itself adds to TTFT and TPOT.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -306,8 +307,8 @@ def side_by_side(results: dict[str, dict]) -> str:
         # minillm's bf16 TTFT P50 at 8/s ran 449-734 ms where vLLM's ran 449-456
         for label, key in (("TTFT P50, rounds min-max", "median_ttft_ms"),
                            ("TPOT P50, rounds min-max", "median_tpot_ms")):
-            cells = [span([x[key] for x in r.get("rounds", ()) if x.get(key) == x.get(key)], False)
-                     for r in results.values()]
+            cells = [span([v for x in r.get("rounds", ()) if isinstance(v := x.get(key), (int, float))
+                           and not math.isnan(v)], False) for r in results.values()]
             lines.append(f"{label:<28}" + "".join(f"{c:>{width}}" for c in cells))
     for label, col in (("most waiting (polled)", 2), ("batch cap, min-max", 3)):
         cells = [span([x[col] for x in r.get("timeline", []) if x[col] is not None], col == 2)
