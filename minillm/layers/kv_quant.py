@@ -132,6 +132,11 @@ class QuantizedPool:
         scale = self.scale.view(*shape[:-1]) if self.scale is not None else None
         return QuantizedPool(self.data.view(*shape), scale, self.fmt, self.dtype)
 
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as this pool returns them once written (quantized, then read back): what a
+        prompt's own K/V are to its prefill, without a trip through the blocks."""
+        return dequantize(*quantize(rows, self.fmt), self.dtype)
+
     def index_copy_(self, dim: int, index: torch.Tensor, rows: torch.Tensor) -> QuantizedPool:
         """Write ``rows`` at ``index`` along the first dimension: quantize on write."""
         if dim != 0:

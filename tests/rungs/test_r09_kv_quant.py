@@ -54,6 +54,20 @@ def test_16_bit_formats_are_a_cast(name):
                                          x.to(FORMATS[name].storage).float())
 
 
+@pytest.mark.parametrize("name", NARROW)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_is_what_a_write_then_a_read_give_back(name, dtype):
+    """A fresh prompt's prefill attends to ``stored(rows)`` instead of reading its own rows back
+    through the blocks (reference.py): the two must agree bit for bit."""
+    torch.manual_seed(0)
+    pool = QuantizedPool.zeros((6, 4, 3, HEAD_DIM), FORMATS[name], dtype, torch.device("cpu"))
+    rows = (torch.randn(10, 3, HEAD_DIM) * torch.logspace(-3, 3, 10)[:, None, None]).to(dtype)
+    slots = torch.randperm(24)[:10]
+    pool.view(-1, 3, HEAD_DIM).index_copy_(0, slots, rows)
+    back = pool.view(-1, 3, HEAD_DIM)[slots]
+    assert back.dtype == dtype and torch.equal(pool.stored(rows), back)
+
+
 def test_unknown_dtype_is_an_error_naming_it(tiny):
     with pytest.raises(ValueError, match="kv_cache_dtype 'int4'"):
         LLM(tiny, engine="paged", kv_cache_dtype="int4")

@@ -108,11 +108,12 @@ class TorchAttention:
         start = 0
         for s, (qlen, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_ctx_lens)):
             qs = q[start:start + qlen].transpose(0, 1)[None]              # [1, H, qlen, d]
-            # Nothing cached before this chunk: its own K/V are the context -- unless the pool
-            # stores them narrower (rung 9): then every read goes through the pool, as in the
-            # kernels, so a prompt sees the same K/V whether it is prefilled in chunks or not.
-            if ctx == qlen and isinstance(k_cache, torch.Tensor):
-                k, v = k_new[start:start + qlen], v_new[start:start + qlen]
+            # Nothing cached before this chunk: its own K/V are the context, as the pool gives
+            # them back (a narrower pool, rung 9, rounds them: ``stored``), so a prompt sees the
+            # same K/V whether it is prefilled in chunks or not -- without reading the pool.
+            if ctx == qlen:
+                k = stored(k_cache, k_new[start:start + qlen])
+                v = stored(v_cache, v_new[start:start + qlen])
                 mask, causal = None, True
             else:             # attend to the cached prefix too, read through the block table
                 table = meta.prefill_block_tables[s:s + 1]
@@ -126,6 +127,12 @@ class TorchAttention:
             out[start:start + qlen] = o[0].transpose(0, 1)
             start += qlen
         return out
+
+
+def stored(pool, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as ``pool`` returns them once written: themselves in a pool of the model's dtype,
+    rounded (and scaled) by a narrower one's own ``stored`` (rung 9's QuantizedPool)."""
+    return rows if isinstance(pool, torch.Tensor) else pool.stored(rows)
 
 
 def paged_attention(backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
