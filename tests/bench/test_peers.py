@@ -190,11 +190,15 @@ def test_vllm_gets_the_libraries_its_cpu_guide_preloads(monkeypatch, tmp_path):
     monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")
     assert vllm_peer.worker_env()["LD_PRELOAD"] == \
         f"{libdir}/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so:/opt/mine.so"
-    monkeypatch.setattr(vllm_peer, "TCMALLOC_DIRS", ())
+    monkeypatch.setattr(vllm_peer, "TCMALLOC_DIRS", (str(tmp_path / "nowhere"),))
     monkeypatch.setattr(vllm_peer, "VENV", tmp_path / "empty")
-    assert vllm_peer.worker_env()["LD_PRELOAD"] == "/opt/mine.so"
+    # no tcmalloc: said, with the command that installs it (the peer would be handicapped)
+    with pytest.warns(RuntimeWarning, match="without tcmalloc.*apt-get install "
+                                            "libtcmalloc-minimal4"):
+        assert vllm_peer.worker_env()["LD_PRELOAD"] == "/opt/mine.so"
     monkeypatch.delenv("LD_PRELOAD")
-    assert "LD_PRELOAD" not in vllm_peer.worker_env()
+    with pytest.warns(RuntimeWarning, match="without tcmalloc"):
+        assert "LD_PRELOAD" not in vllm_peer.worker_env()
 
 
 def test_our_engine_warms_up_before_the_clock_starts(model, monkeypatch):
