@@ -127,8 +127,8 @@ def preload_libraries() -> list[str]:
         if hits:
             found.append(str(hits[0]))
             break
-    else:   # said aloud: a peer on glibc's malloc is a peer handicapped (every EPYC row of
-        # 2026-12-07 before this warning ran so, and nothing on the screen said it)
+    else:   # said aloud: a peer on glibc's malloc is handicapped, and otherwise only the
+        # results' JSON (its recorded LD_PRELOAD) would show it
         warnings.warn("vLLM runs without tcmalloc here, which its CPU guide preloads: none in "
                       f"{', '.join(TCMALLOC_DIRS)}. Install it (Debian/Ubuntu: apt-get install "
                       "libtcmalloc-minimal4) before comparing, or the peer is handicapped",
