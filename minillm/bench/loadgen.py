@@ -51,7 +51,10 @@ def add_serve_bench_args(p) -> None:
                    help="--serve: every request generates exactly --max-tokens (vLLM's extra)")
     g.add_argument("--rounds", type=int, default=None,
                    help="--serve NAMES: drive each started server this many times with the same "
-                        "requests; its row is the median of each number (default 1)")
+                        "requests; its row is the median of each number. Without --serve: run "
+                        "the table's engines this many times in turn (vLLM in its own process, "
+                        "loaded once); each row is its median round, with its ratio to the first "
+                        "engine round by round (default 1)")
     g.add_argument("--burst", metavar="K:RATE", default=None,
                    help="--serve: a rate step -- after the first K requests at --rate, RATE "
                         "per second (rung 12's batch controller under a burst)")
@@ -69,8 +72,7 @@ def serve_only_flags(args) -> list[str]:
     """The --serve flags given without --serve (they would be silently ignored)."""
     given = {"--concurrency": args.concurrency, "--max-tokens": args.max_tokens,
              "--endpoint": args.endpoint, "--ignore-eos": args.ignore_eos or None,
-             "--input-len": args.input_len, "--mix": args.mix, "--burst": args.burst,
-             "--rounds": args.rounds}
+             "--input-len": args.input_len, "--mix": args.mix, "--burst": args.burst}
     return [flag for flag, value in given.items() if value is not None]
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from .kv import budget_bytes, exp_kv_dtype
+from .kv import exp_kv_dtype
 from .run import PEERS, run_engine, warmup_items
+from .table import (WARMS_UP_ITSELF, engine_of, finish_table, measure_matmul_gflops,
+                    model_gflop_per_token, single_stream, table_row, table_runs)
 from ..engines import ENGINES, REGISTRY, options_for, options_from
-from ..metrics import RunMetrics
 
 FIGURES = Path(__file__).resolve().parents[2] / "figures"
-WARMS_UP_ITSELF = {"vllm-cpu"}
 ALL_ENGINES = ENGINES + tuple(PEERS)
 DEFAULT_ENGINES = ("naive", "static", "dynamic", "paged", "hf-static", "hf-generate-batch")
 EXPERIMENTS = ("prefix", "parallel", "capacity", "speculative", "kv_dtype")
@@ -50,49 +50,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-figure", action="store_true")
 
 
-# --- running one engine ---------------------------------------------------------------------------
-
-
-def single_stream(model, name: str, items, options: dict, k: int = 4) -> dict:
-    """The first ``k`` requests one at a time (as vLLM's row does): output tok/s with no batch to
-    hide per-step costs behind, and time to first token."""
-    from ..llm import LLM
-    from ..workload import to_requests
-
-    llm = LLM(model, engine=name, **options_for(name, options))
-    outs = [llm.run(to_requests(llm, [it]), progress=False).outputs[0] for it in items[:k]]
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"single_stream_tok_s": tokens / sum(o.latency_s for o in outs),
-            "single_stream_ttft_s": [o.ttft_s for o in outs]}
-
-
-# --- the roofline ---------------------------------------------------------------------------------
-def measure_matmul_gflops() -> float:
-    """This machine's fp32 matmul peak, measured: the ceiling any engine could reach -- the best
-    of torch's ``@`` (MKL on x86) and the engine's default linear kernel (layers/linear.py) on a
-    2048^3 product."""
-    from ..layers.linear import TorchLinear, get_linear_kernel, matmul_gflops
-
-    best = get_linear_kernel(None, torch.device("cpu"), torch.float32)
-    return max(matmul_gflops(TorchLinear()), matmul_gflops(best))
-
-
-def model_gflop_per_token(model) -> float:
-    """Forward FLOPs per token ~ 2 x (matmul weights): every weight is one multiply-add."""
-    params = sum(p.numel() for n, p in model.hf_model.named_parameters() if "embed_tokens" not in n)
-    if model.config.tie_word_embeddings:   # the LM head reuses the embedding matrix
-        params += model.hf_model.get_output_embeddings().weight.numel()
-    return 2 * params / 1e9
-
-
-def roofline_fraction(m: RunMetrics, gflop_per_token: float, peak_gflops: float) -> float:
-    """Achieved FLOP/s over the step's real work (prompt tokens computed + output tokens)."""
-    work = (m.prefill_tokens_computed + m.output_tokens) * gflop_per_token
-    return work / m.duration_s / peak_gflops if m.duration_s else 0.0
-
-
-
-
 # --- the main table ---------------------------------------------------------------------------------
 def format_table(rows: list[dict]) -> str:
     head = ["engine", "tok/s", "vs naive", "1-stream tok/s", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95",
@@ -114,58 +71,26 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def kv_budget_options(model, items, options: dict) -> dict:
-    """Paged at the *KV memory* the contiguous engines need, instead of at their batch cap.
-
-    A padded engine serving ``max_batch`` rows must be able to hold each row at its longest
-    (prompt + max_tokens). Give the paged engine exactly those bytes and no row cap: it fits as
-    many requests as the tokens really need. This is the paper's argument — memory, not compute,
-    limits the batch — made into one row of the table."""
-    rows = options.get("max_num_seqs", 64)
-    return {**options, "kv_cache_bytes": budget_bytes(model, items, rows), "max_num_seqs": 4 * rows}
-
-
 def run_table(model, engines: list[str], items, naive_items, options: dict) -> list[dict]:
     peak = measure_matmul_gflops()
     per_tok = model_gflop_per_token(model)
     print(f"fp32 matmul peak: {peak:.0f} GFLOP/s; model: {per_tok:.3f} GFLOP/token")
     rows, outputs = [], {}
-    runs = [(name, options) for name in engines]
-    if "paged" in engines:
-        runs.insert(engines.index("paged") + 1, ("paged-kv-budget", kv_budget_options(model, items, options)))
-    for label, opts in runs:
-        name = "paged" if label == "paged-kv-budget" else label
+    for label, opts in table_runs(model, engines, items, options):
+        name = engine_of(label)
         one_at_a_time = name in REGISTRY and REGISTRY[name].serves_one_at_a_time
         work = naive_items if one_at_a_time else items
         if name not in WARMS_UP_ITSELF:
             run_engine(model, name, warmup_items(items), opts, progress=False)
         t = time.perf_counter()
         res = run_engine(model, name, work, opts)
-        row = res.metrics.as_dict()
-        row["engine"] = label
         if label == "paged":      # the other engines' rows are throughput rows; vLLM has its own
-            row["extra"] |= single_stream(model, name, items, opts)
-        row["single_stream_tok_s"] = row["extra"].get("single_stream_tok_s")
-        row["roofline"] = roofline_fraction(res.metrics, per_tok, peak)
-        row["matmul_peak_gflops"] = peak
-        rows.append(row)
-        print(f"  {label:18s} {row['output_tok_s']:7.1f} tok/s  ({time.perf_counter() - t:.0f}s, "
+            res.metrics.extra |= single_stream(model, name, items, opts)
+        rows.append(table_row(label, res, per_tok, peak))
+        print(f"  {label:18s} {rows[-1]['output_tok_s']:7.1f} tok/s  ({time.perf_counter() - t:.0f}s, "
               f"{len(work)} requests)", flush=True)
         outputs[label] = [o.token_ids for o in res.outputs]
-    if "vllm-cpu" in outputs and "paged" in outputs:
-        from .vllm_peer import token_agreement
-        agreement = token_agreement(outputs["paged"], outputs["vllm-cpu"])
-        print(f"  vLLM vs paged greedy tokens: {agreement}")
-        vllm_row = next(r for r in rows if r["engine"] == "vllm-cpu")
-        vllm_row["agreement_with_paged"] = agreement
-        print(f"  vLLM's OpenMP threads bound to cores {vllm_row['extra']['omp_threads_bind']}; "
-              f"minillm: {torch.get_num_threads()} torch threads")
-    base = next((r["output_tok_s"] for r in rows if r["engine"] == "naive"), None)
-    for r in rows:
-        r["speedup_vs_naive"] = r["output_tok_s"] / base if base else float("nan")
-    if base:    # naive serves one request at a time: its throughput is its single stream
-        next(r for r in rows if r["engine"] == "naive")["single_stream_tok_s"] = base
-    return rows
+    return finish_table(rows, outputs)
 
 
 # --- step-3 experiments --------------------------------------------------------------------------
@@ -285,6 +210,9 @@ def main(args: argparse.Namespace) -> int:
     from ..models import dtype_name, load_model
     from ..workload import CHAT_MIX, make_workload
 
+    if args.rounds is not None and args.rounds < 1:
+        print(f"error: --rounds must be >= 1, got {args.rounds}")
+        return 2
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ALL_ENGINES]
     if bad:
@@ -301,7 +229,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload: {n} requests ({n_naive} for naive engines), "
           f"{sum(it.params.max_tokens for it in items)} output tokens, "
           f"arrivals {'all at t=0' if not args.rate else f'Poisson {args.rate}/s'}")
-    rows = run_table(model, engines, items, items[:n_naive], options)
+    if args.rounds and args.rounds > 1:
+        from .offline_rounds import run_rounds
+        rows = run_rounds(model, engines, items, items[:n_naive], options, args.rounds)
+    else:
+        rows = run_table(model, engines, items, items[:n_naive], options)
     print()
     print(format_table(rows))
     results = {"model": args.model, "dtype": dtype_name(model.dtype), "requests": n, "naive_requests": n_naive, "rate": args.rate,

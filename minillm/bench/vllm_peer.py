@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -27,7 +28,20 @@ from pathlib import Path
 VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 
 
+# bench --rounds (offline): the worker runs a round when told, so vLLM's rounds alternate with
+# minillm's and a noisy host's drift falls on both. Marker lines on stdout, which vLLM's own log
+# lines share.
+READY, ROUND = "MINILLM_VLLM_READY", "MINILLM_VLLM_ROUND"
+
+
 # --- inside the vLLM environment -------------------------------------------------------------------
+def take_turn() -> bool:
+    """Say the worker is ready and wait for the bench's word: True on 'go', False on anything
+    else (the bench is done, or gone)."""
+    print(READY, flush=True)
+    return sys.stdin.readline().strip() == "go"
+
+
 def worker(spec_path: str, out_path: str) -> None:
     """Serve the workload of ``spec_path`` with ``vllm.LLM`` offline; write tokens and timings."""
     from vllm import LLM, SamplingParams
@@ -44,9 +58,19 @@ def worker(spec_path: str, out_path: str) -> None:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4)] * 2,
                  use_tqdm=False)                                   # warm-up, not timed
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    duration = time.perf_counter() - t0
+    durations = []
+    for _ in range(int(spec.get("rounds", 1))):
+        if spec.get("paced") and not take_turn():
+            break
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        durations.append(time.perf_counter() - t0)
+        if spec.get("paced"):
+            print(f"{ROUND} {durations[-1]!r}", flush=True)
+    if not durations:
+        return
+    if spec.get("paced"):
+        take_turn()      # the single streams below wait until every engine's rounds are over
     # one stream: each request alone, for TTFT and TPOT without batching (first few requests)
     single = []
     for p, sp in list(zip(prompts, params))[:spec.get("single_stream", 4)]:
@@ -60,7 +84,8 @@ def worker(spec_path: str, out_path: str) -> None:
     cfg = llm.llm_engine.vllm_config.cache_config if hasattr(llm.llm_engine, "vllm_config") \
         else None
     Path(out_path).write_text(json.dumps({
-        "duration_s": duration, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "duration_s": statistics.median(durations), "round_durations_s": durations,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "block_size": getattr(cfg, "block_size", None), "single_stream": single,
         "vllm_version": __import__("vllm").__version__}))
 
@@ -154,38 +179,121 @@ def worker_env(threads: int | None = None) -> dict:
     return env
 
 
-def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
-    """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
-    worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
+def write_spec(model, requests, max_num_seqs: int, workdir: Path, **extra) -> tuple[Path, Path]:
+    """The worker's input (the workload's token ids and ``max_tokens``, vLLM's settings, and
+    ``extra``) in ``workdir``; returns it and the path the worker writes its output to."""
     from ..core.config import DEFAULT_KV_CACHE_BYTES
     from ..models import dtype_name, ensure_smollm2_cache
 
-    py = ensure_venv()
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out = workdir / "vllm_spec.json", workdir / "vllm_out.json"
     spec.write_text(json.dumps({
         "model_dir": str(ensure_smollm2_cache()), "max_num_seqs": max_num_seqs,
         "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "dtype": dtype_name(model.dtype),
         "prompts": [r.prompt_token_ids for r in requests],
-        "max_tokens": [r.params.max_tokens for r in requests]}))
+        "max_tokens": [r.params.max_tokens for r in requests], **extra}))
+    return spec, out
+
+
+def worker_command(spec: Path, out: Path) -> list[str]:
+    return [str(ensure_venv()), str(Path(__file__).resolve()), "worker", str(spec), str(out)]
+
+
+def with_env(got: dict, env: dict) -> dict:
+    """The worker's JSON with how it was bound and what it preloaded (reported with the row)."""
+    return {**got, "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
+            "ld_preload": env.get("LD_PRELOAD", "")}
+
+
+def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
+    """Run ``requests`` (minillm ``Request``s, already tokenized) through vLLM; return the
+    worker's JSON. Raises RuntimeError with vLLM's own message when it cannot run here."""
+    spec, out = write_spec(model, requests, max_num_seqs, workdir)
     env = worker_env()
-    r = subprocess.run([str(py), str(Path(__file__).resolve()), "worker", str(spec), str(out)],
-                       env=env, capture_output=True, text=True)
+    r = subprocess.run(worker_command(spec, out), env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"vLLM could not run the workload:\n{r.stderr[-3000:]}")
-    return {**json.loads(out.read_text()), "omp_threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
-            "ld_preload": env.get("LD_PRELOAD", "")}
+    return with_env(json.loads(out.read_text()), env)
+
+
+class PacedVllm:
+    """vLLM's offline engine in its own process, running the workload once each time ``round``
+    is called (``bench --rounds``, offline_rounds.py). Between rounds it waits, its model loaded,
+    while minillm runs its own; ``finish`` lets it measure its single streams and returns its
+    JSON as ``run_vllm`` does. ``command`` replaces the worker's (tests)."""
+
+    def __init__(self, model, requests, max_num_seqs: int, workdir: Path, rounds: int,
+                 command: list[str] | None = None):
+        spec, self.out = write_spec(model, requests, max_num_seqs, workdir, rounds=rounds,
+                                    paced=True)
+        self.env, self.log, self.ready = worker_env(), workdir / "vllm_worker.log", False
+        with self.log.open("w") as log:      # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(command or worker_command(spec, self.out), env=self.env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True)
+
+    def _expect(self, marker: str, what: str) -> str:
+        for line in self.proc.stdout:            # vLLM's own log lines pass by
+            if line.startswith(marker):
+                return line[len(marker):].strip()
+        self._died(what)
+
+    def _died(self, what: str):
+        code = self.proc.wait()
+        tail = self.log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vLLM's worker exited with code {code} before {what}; the end of "
+                           f"its log ({self.log}):\n{tail}")
+
+    def _say(self, word: str) -> None:
+        try:
+            self.proc.stdin.write(word + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass                                 # gone: _expect says so, with its log
+
+    def wait_ready(self) -> None:
+        """Block until vLLM has loaded, compiled and warmed up (or between rounds, is idle)."""
+        if not self.ready:
+            self._expect(READY, "it was ready")
+            self.ready = True
+
+    def round(self) -> float:
+        """The workload once more in vLLM: its duration in seconds."""
+        self.wait_ready()
+        self._say("go")
+        self.ready = False
+        return float(self._expect(ROUND, "it finished its round"))
+
+    def finish(self) -> dict:
+        """No more rounds: the worker measures its single streams and writes its JSON."""
+        self.wait_ready()
+        self._say("done")
+        self.proc.stdin.close()
+        for _ in self.proc.stdout:
+            pass
+        if self.proc.wait() != 0:
+            self._died("it wrote its results")
+        return with_env(json.loads(self.out.read_text()), self.env)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     """The benchmark's row for vLLM: a ``RunResult`` of the batched run (throughput; vLLM's
     offline API gives no per-request timings, so TTFT/TPOT come from its single-stream runs and
     sit in ``metrics.extra``)."""
+    return vllm_result(model, requests, run_vllm(model, requests, max_num_seqs, workdir))
+
+
+def vllm_result(model, requests, got: dict):
+    """A ``RunResult`` from the worker's JSON ``got`` (its tokens, its median duration)."""
     from ..runtime.driver import RunResult
     from ..metrics import summarize
     from ..request import FinishReason, RequestOutput
 
-    got = run_vllm(model, requests, max_num_seqs, workdir)
     outputs = [RequestOutput(r.request_id, r.prompt_token_ids, toks, "", FinishReason.LENGTH)
                for r, toks in zip(requests, got["tokens"])]
     metrics = summarize("vllm-cpu", outputs, [], got["duration_s"], model.kv_bytes_per_token)
@@ -194,6 +302,7 @@ def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):
     single = got["single_stream"]
     metrics.extra = {
         "block_size": got["block_size"], "vllm_version": got["vllm_version"],
+        "round_durations_s": got.get("round_durations_s"),
         "omp_threads_bind": got["omp_threads_bind"], "ld_preload": got["ld_preload"],
         "single_stream_ttft_s": [s["ttft_s"] for s in single],
         "single_stream_tok_s": sum(s["tokens"] for s in single) / sum(s["latency_s"] for s in single)

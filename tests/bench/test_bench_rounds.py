@@ -69,11 +69,12 @@ def test_a_count_below_one_is_refused(extra, says, capsys):
     assert says in capsys.readouterr().out
 
 
-def test_rounds_against_a_url_or_without_serve_are_refused(capsys):
+def test_rounds_against_a_url_are_refused_and_offline_counts_checked(capsys):
     assert main(["bench", "--serve", "http://127.0.0.1:9", "--rounds", "2"]) == 2
     assert "--rounds drives servers this command starts" in capsys.readouterr().out
-    assert main(["bench", "--rounds", "2"]) == 2
-    assert "--rounds" in capsys.readouterr().err
+    # without --serve, --rounds alternates the offline table's runs (test_offline_rounds.py)
+    assert main(["bench", "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().out
 
 
 def test_random_prompts_fit_the_tiny_model_s_vocabulary(tmp_path):
