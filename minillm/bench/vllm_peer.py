@@ -227,10 +227,12 @@ class PacedVllm:
         spec, self.out = write_spec(model, requests, max_num_seqs, workdir, rounds=rounds,
                                     paced=True)
         self.env, self.log, self.ready = worker_env(), workdir / "vllm_worker.log", False
+        # its own process group: vLLM runs its engine in a process of its own, which ``close``
+        # stops with it (and a Ctrl-C in the terminal reaches the bench, which then stops both)
         with self.log.open("w") as log:      # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(command or worker_command(spec, self.out), env=self.env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True)
+                                         stderr=log, text=True, start_new_session=os.name != "nt")
 
     def _expect(self, marker: str, what: str) -> str:
         for line in self.proc.stdout:            # vLLM's own log lines pass by
@@ -276,7 +278,11 @@ class PacedVllm:
         return with_env(json.loads(self.out.read_text()), self.env)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        """Stop the worker and every process it started, whatever state they are in."""
+        if os.name != "nt":
+            from .procs import stop
+            stop(self.proc, grace_s=5.0)
+        elif self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
 

@@ -31,7 +31,11 @@ class LLM:
     llm_engine = None
 
     def __init__(self, **kw):
-        pass
+        if os.environ.get("FAKE_VLLM_CHILD"):      # vLLM's engine runs in a process of its own
+            import subprocess, sys
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            with open(os.environ["FAKE_VLLM_CHILD"], "w") as f:
+                f.write(str(child.pid))
     def generate(self, prompts, params, use_tqdm=False):
         with open(os.environ["FAKE_VLLM_CALLS"], "a") as f:
             f.write(f"{len(prompts)}\\n")
@@ -101,6 +105,21 @@ def test_a_worker_that_dies_is_a_clear_error_with_its_log(stand_in, monkeypatch)
         assert "no CPU backend here (stand-in)" in str(e.value)
     finally:
         session.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_close_stops_the_worker_and_the_process_it_started(stand_in, monkeypatch, tmp_path):
+    from minillm.bench.compare import group_members
+
+    monkeypatch.setenv("FAKE_VLLM_CHILD", str(tmp_path / "child.pid"))
+    session = vllm_peer.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=3,
+                                  command=stand_in.command)
+    session.wait_ready()
+    session.round()                       # then the bench is interrupted between two rounds
+    child = int((tmp_path / "child.pid").read_text())
+    assert child in group_members(session.proc.pid)
+    session.close()
+    assert session.proc.returncode is not None and group_members(session.proc.pid) == []
 
 
 def result(tok_s: float, label: str) -> RunResult:
