@@ -18,6 +18,7 @@ import torch
 
 from .kv import exp_kv_dtype
 from .run import PEERS, run_engine, warmup_items
+from .vllm_peer import PeerError
 from .table import (WARMS_UP_ITSELF, engine_of, finish_table, measure_matmul_gflops,
                     model_gflop_per_token, single_stream, table_row, table_runs)
 from ..engines import ENGINES, REGISTRY, options_for, options_from
@@ -229,11 +230,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload: {n} requests ({n_naive} for naive engines), "
           f"{sum(it.params.max_tokens for it in items)} output tokens, "
           f"arrivals {'all at t=0' if not args.rate else f'Poisson {args.rate}/s'}")
-    if args.rounds and args.rounds > 1:
-        from .offline_rounds import run_rounds
-        rows = run_rounds(model, engines, items, items[:n_naive], options, args.rounds)
-    else:
-        rows = run_table(model, engines, items, items[:n_naive], options)
+    try:
+        if args.rounds and args.rounds > 1:
+            from .offline_rounds import run_rounds
+            rows = run_rounds(model, engines, items, items[:n_naive], options, args.rounds)
+        else:
+            rows = run_table(model, engines, items, items[:n_naive], options)
+    except PeerError as e:             # vLLM cannot run here, or died: in its own words
+        print(f"error: {e}")
+        return 1
     print()
     print(format_table(rows))
     results = {"model": args.model, "dtype": dtype_name(model.dtype), "requests": n, "naive_requests": n_naive, "rate": args.rate,

@@ -5,7 +5,7 @@ A shared host moves the speed of one engine by 10-20% within minutes: on the EPY
 two rows of the same paged engine came out 15% apart in one run, and seven fp32 runs against
 vLLM gave 0.98-1.21x (docs/rungs/14_compiled.md, "The EPYC, night"). One run each cannot tell
 1.05x from 1.2x. Here each engine serves the workload ``rounds`` times, in turn with the others:
-minillm's engines in this process, vLLM in its own (``vllm_peer.PacedVllm``: its model loaded
+minillm's engines in this process, vLLM in its own (``vllm_paced.PacedVllm``: its model loaded
 once, idle while the others run). Each engine's row is its median round, and beside the first
 minillm row's each other row carries its ratio to it round by round
 (``rounds_vs_first``: a pair measured minutes apart) and their median.
@@ -27,7 +27,7 @@ def start_vllm(model, items, options: dict, rounds: int):
     """vLLM's paced worker on the same requests as ``run_engine`` would give it."""
     from ..llm import LLM
     from ..workload import to_requests
-    from .vllm_peer import PacedVllm
+    from .vllm_paced import PacedVllm
 
     requests = to_requests(LLM(model, engine="naive"), items)
     workdir = Path(__file__).resolve().parents[2] / "figures" / "vllm"   # as vllm_peer.vllm_cpu

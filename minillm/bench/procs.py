@@ -1,5 +1,5 @@
 """A process group started for a benchmark, stopped whole: a server (compare.py) or vLLM's offline
-worker (vllm_peer.PacedVllm) runs an engine process beside its own, which must not outlive it."""
+worker (vllm_paced.PacedVllm) runs an engine process beside its own, which must not outlive it."""
 from __future__ import annotations
 
 import os

@@ -34,6 +34,10 @@ VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 READY, ROUND = "MINILLM_VLLM_READY", "MINILLM_VLLM_ROUND"
 
 
+class PeerError(RuntimeError):
+    """vLLM could not run the workload here, or its worker died: the bench says so in a line."""
+
+
 # --- inside the vLLM environment -------------------------------------------------------------------
 def take_turn() -> bool:
     """Say the worker is ready and wait for the bench's word: True on 'go', False on anything
@@ -212,79 +216,8 @@ def run_vllm(model, requests, max_num_seqs: int, workdir: Path) -> dict:
     env = worker_env()
     r = subprocess.run(worker_command(spec, out), env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"vLLM could not run the workload:\n{r.stderr[-3000:]}")
+        raise PeerError(f"vLLM could not run the workload:\n{r.stderr[-3000:]}")
     return with_env(json.loads(out.read_text()), env)
-
-
-class PacedVllm:
-    """vLLM's offline engine in its own process, running the workload once each time ``round``
-    is called (``bench --rounds``, offline_rounds.py). Between rounds it waits, its model loaded,
-    while minillm runs its own; ``finish`` lets it measure its single streams and returns its
-    JSON as ``run_vllm`` does. ``command`` replaces the worker's (tests)."""
-
-    def __init__(self, model, requests, max_num_seqs: int, workdir: Path, rounds: int,
-                 command: list[str] | None = None):
-        spec, self.out = write_spec(model, requests, max_num_seqs, workdir, rounds=rounds,
-                                    paced=True)
-        self.env, self.log, self.ready = worker_env(), workdir / "vllm_worker.log", False
-        # its own process group: vLLM runs its engine in a process of its own, which ``close``
-        # stops with it (and a Ctrl-C in the terminal reaches the bench, which then stops both)
-        with self.log.open("w") as log:      # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(command or worker_command(spec, self.out), env=self.env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, start_new_session=os.name != "nt")
-
-    def _expect(self, marker: str, what: str) -> str:
-        for line in self.proc.stdout:            # vLLM's own log lines pass by
-            if line.startswith(marker):
-                return line[len(marker):].strip()
-        self._died(what)
-
-    def _died(self, what: str):
-        code = self.proc.wait()
-        tail = self.log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"vLLM's worker exited with code {code} before {what}; the end of "
-                           f"its log ({self.log}):\n{tail}")
-
-    def _say(self, word: str) -> None:
-        try:
-            self.proc.stdin.write(word + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass                                 # gone: _expect says so, with its log
-
-    def wait_ready(self) -> None:
-        """Block until vLLM has loaded, compiled and warmed up (or between rounds, is idle)."""
-        if not self.ready:
-            self._expect(READY, "it was ready")
-            self.ready = True
-
-    def round(self) -> float:
-        """The workload once more in vLLM: its duration in seconds."""
-        self.wait_ready()
-        self._say("go")
-        self.ready = False
-        return float(self._expect(ROUND, "it finished its round"))
-
-    def finish(self) -> dict:
-        """No more rounds: the worker measures its single streams and writes its JSON."""
-        self.wait_ready()
-        self._say("done")
-        self.proc.stdin.close()
-        for _ in self.proc.stdout:
-            pass
-        if self.proc.wait() != 0:
-            self._died("it wrote its results")
-        return with_env(json.loads(self.out.read_text()), self.env)
-
-    def close(self) -> None:
-        """Stop the worker and every process it started, whatever state they are in."""
-        if os.name != "nt":
-            from .procs import stop
-            stop(self.proc, grace_s=5.0)
-        elif self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def run_vllm_engine(model, requests, max_num_seqs: int, workdir: Path):

@@ -1,5 +1,5 @@
 """``bench --rounds N`` without ``--serve``: the table's engines run in turn, round after round,
-vLLM in its own process waiting between its rounds (bench/offline_rounds.py, vllm_peer.PacedVllm).
+vLLM in its own process waiting between its rounds (bench/offline_rounds.py, vllm_paced.PacedVllm).
 
 vLLM is never in the project's environment: the worker here is vllm_peer's real one, run on a
 stand-in ``vllm`` package that counts its ``generate`` calls in a file."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from minillm.bench import offline_rounds, vllm_peer
+from minillm.bench import offline_rounds, vllm_paced, vllm_peer
 from minillm.metrics import summarize
 from minillm.request import FinishReason, Request, RequestOutput
 from minillm.runtime.driver import RunResult
@@ -76,7 +76,7 @@ def count(path: Path) -> int:
 
 def test_the_worker_runs_a_round_only_when_told(stand_in, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "")
-    session = vllm_peer.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=3,
+    session = vllm_paced.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=3,
                                   command=stand_in.command)
     try:
         session.wait_ready()
@@ -97,7 +97,7 @@ def test_the_worker_runs_a_round_only_when_told(stand_in, monkeypatch):
 
 def test_a_worker_that_dies_is_a_clear_error_with_its_log(stand_in, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
-    session = vllm_peer.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=2,
+    session = vllm_paced.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=2,
                                   command=stand_in.command)
     try:
         with pytest.raises(RuntimeError, match="exited with code 1 before it was ready") as e:
@@ -112,7 +112,7 @@ def test_close_stops_the_worker_and_the_process_it_started(stand_in, monkeypatch
     from minillm.bench.compare import group_members
 
     monkeypatch.setenv("FAKE_VLLM_CHILD", str(tmp_path / "child.pid"))
-    session = vllm_peer.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=3,
+    session = vllm_paced.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=3,
                                   command=stand_in.command)
     session.wait_ready()
     session.round()                       # then the bench is interrupted between two rounds
@@ -120,6 +120,27 @@ def test_close_stops_the_worker_and_the_process_it_started(stand_in, monkeypatch
     assert child in group_members(session.proc.pid)
     session.close()
     assert session.proc.returncode is not None and group_members(session.proc.pid) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_worker_killed_between_rounds_is_an_error_not_a_hang(stand_in, monkeypatch, tmp_path):
+    """Its engine process lives on with the worker's stdout: no end of file ever comes."""
+    import os
+    import signal
+    from minillm.bench.compare import group_members
+
+    monkeypatch.setenv("FAKE_VLLM_CHILD", str(tmp_path / "child.pid"))
+    session = vllm_paced.PacedVllm(stand_in.model, requests(), 8, stand_in.work, rounds=3,
+                                   command=stand_in.command)
+    try:
+        session.round()
+        os.kill(session.proc.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="exited with code -9 before it"):
+            session.round()
+        assert int((tmp_path / "child.pid").read_text()) in group_members(session.proc.pid)
+    finally:
+        session.close()
+    assert group_members(session.proc.pid) == []
 
 
 def result(tok_s: float, label: str) -> RunResult:
@@ -221,3 +242,18 @@ def test_one_round_is_not_an_alternation():
 def test_median_round_picks_the_middle_result():
     assert offline_rounds.median_round(["a", "b", "c"], [3.0, 1.0, 2.0]) == "c"
     assert offline_rounds.median_round(["a", "b"], [3.0, 1.0]) == "b"       # the lower middle
+
+
+@pytest.mark.parametrize("rounds", [None, "3"])
+def test_a_peer_that_cannot_run_is_one_line_not_a_traceback(rounds, monkeypatch, capsys):
+    from minillm.__main__ import main
+    from minillm.bench import offline
+
+    def refuse(*args):
+        raise vllm_peer.PeerError("vLLM's worker exited with code -9 before it was ready")
+    monkeypatch.setattr(offline, "run_table", refuse)
+    monkeypatch.setattr(offline_rounds, "run_rounds", refuse)
+    argv = ["bench", "--model", "tiny-llama", "--engines", "paged,vllm-cpu", "--requests", "2",
+            "--experiments", "none", "--no-figure"]
+    assert main([*argv, *(["--rounds", rounds] if rounds else [])]) == 1
+    assert "error: vLLM's worker exited with code -9 before it was ready" in capsys.readouterr().out
