@@ -6,15 +6,14 @@ two rows of the same paged engine came out 15% apart in one run, and seven fp32 
 vLLM gave 0.98-1.21x (docs/rungs/14_compiled.md, "The EPYC, night"). One run each cannot tell
 1.05x from 1.2x. Here each engine serves the workload ``rounds`` times, in turn with the others:
 minillm's engines in this process, vLLM in its own (``vllm_paced.PacedVllm``: its model loaded
-once, idle while the others run). Each engine's row is its median round, and beside the first
-minillm row's each other row carries its ratio to it round by round
-(``rounds_vs_first``: a pair measured minutes apart) and their median.
+once, idle while the others run). Each engine's row is its median round; every row also
+carries the first minillm engine's speed over its own, round by round (``rounds_vs_first``: each
+pair measured minutes apart), and their median.
 """
 from __future__ import annotations
 
 import statistics
 import time
-
 from pathlib import Path
 
 from .run import run_engine, warmup_items
@@ -42,6 +41,7 @@ def median_round(results: list, speeds: list[float]):
 
 def run_rounds(model, engines: list[str], items, naive_items, options: dict,
                rounds: int) -> list[dict]:
+    """The table's rows (``offline.run_table``'s), from ``rounds`` runs of each engine in turn."""
     if rounds < 2:
         raise ValueError(f"--rounds must be at least 2 to alternate runs, got {rounds}")
     peak, per_tok = measure_matmul_gflops(), model_gflop_per_token(model)
