@@ -20,8 +20,9 @@ from .kv import exp_kv_dtype
 from .run import PEERS, run_engine, warmup_items
 from .vllm_peer import PeerError
 from .table import (WARMS_UP_ITSELF, engine_of, finish_table, measure_matmul_gflops,
-                    model_gflop_per_token, single_stream, table_row, table_runs)
-from ..engines import ENGINES, REGISTRY, options_for, options_from
+                    model_gflop_per_token, single_stream, table_row, table_runs,
+                    workload_of)
+from ..engines import ENGINES, options_for, options_from
 
 FIGURES = Path(__file__).resolve().parents[2] / "figures"
 ALL_ENGINES = ENGINES + tuple(PEERS)
@@ -79,8 +80,7 @@ def run_table(model, engines: list[str], items, naive_items, options: dict) -> l
     rows, outputs = [], {}
     for label, opts in table_runs(model, engines, items, options):
         name = engine_of(label)
-        one_at_a_time = name in REGISTRY and REGISTRY[name].serves_one_at_a_time
-        work = naive_items if one_at_a_time else items
+        work = workload_of(name, items, naive_items)
         if name not in WARMS_UP_ITSELF:
             run_engine(model, name, warmup_items(items), opts, progress=False)
         t = time.perf_counter()

