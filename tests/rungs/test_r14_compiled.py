@@ -2,9 +2,10 @@
 
 The bucketing rule and the options are checked statically; the compiled engine is checked token
 for token against the eager paged engine on the tiny model in fp32 (greedy at batch sizes padded to
-the bucket, seeded n > 1, preemption in a tight pool). Compiling takes tens of seconds
-per bucket on a busy 2-core machine (seconds once inductor's disk cache has it), so those tests
-are ``slow`` and share one engine with one bucket."""
+the bucket, seeded n > 1, preemption in a tight pool), and so is the dynamic graph that runs the
+batches past the last bucket. Compiling takes tens of seconds per graph on a busy 2-core machine
+(seconds once inductor's disk cache has it), so those tests are ``slow`` and share one engine
+with one bucket, and one with the dynamic graph."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,9 @@ def test_options_checked_by_name():
             CompileConfig(True, bad)
     with pytest.raises(ValueError, match="compile_wrapper must be one of 'python', 'cpp', got 'c'"):
         CompileConfig(True, compile_wrapper="c")
+    with pytest.raises(ValueError, match="compile_large_batches must be one of 'dynamic', "
+                                         "'eager', got 'padded'"):
+        CompileConfig(True, compile_large_batches="padded")
     with pytest.raises(ValueError, match="compile must be True"):
         CompileConfig(False)
     with pytest.raises(ValueError, match="compile must be True or False"):
@@ -106,6 +110,78 @@ def test_compiled_preempts_and_forks_like_eager(pair):
     assert compiled.engine.num_preemptions - before[0] == eager.engine.num_preemptions - before[1]
     sampled = SamplingParams(n=3, max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
     got, want = run_both(pair, prompts[:2], sampled)
+    assert got == want and all(len(o) == 3 for o in got)
+
+
+def test_a_batch_past_the_buckets_runs_eagerly_when_asked(tiny):
+    """``compile_large_batches="eager"``: three decodes with bucket 2 compile nothing, run rung
+    3's step, and give the eager engine's tokens."""
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="2",
+                   compile_large_batches="eager", **TIGHT)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompts = random_prompts(3, seed=3, lo=3, hi=8)
+    got, want = run_both((compiled, LLM(tiny, engine="paged", **TIGHT)), prompts, params)
+    runner = compiled.engine.runner
+    assert got == want and runner.compile_s == {} and runner.steps["compiled"] == 0
+    assert runner.steps["eager"] >= 5 and compiled.engine.describe()["compile_large_batches"] \
+        == "eager"
+
+
+@pytest.fixture(scope="module")
+def dynamic_pair(tiny):
+    """(compiled, eager) with bucket 2 and the dynamic graph past it, both compiled by the
+    engine's warm-up (max_num_seqs 8: the dynamic graph is reachable)."""
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="2", **TIGHT)
+    lines: list[str] = []
+    compiled.engine.runner.progress = lines.append
+    compiled.engine.warm_up()
+    assert set(compiled.engine.runner.compile_s) == {2, "3+"}, lines
+    assert any("batch 3+" in line and "then any batch" in line for line in lines), lines
+    return compiled, LLM(tiny, engine="paged", **TIGHT)
+
+
+@pytest.mark.slow
+def test_one_dynamic_graph_runs_every_batch_past_the_buckets_unpadded(dynamic_pair):
+    """Batches of 3, 5 and 8 decodes run the graph the warm-up compiled at 3 rows, with no
+    recompile (an error here) and no padding: its logits have one row per sequence, and the
+    tokens are the eager engine's."""
+    compiled, _ = dynamic_pair
+    runner = compiled.engine.runner
+    rows_seen = []
+    call = runner.call
+
+    def spy(bucket, ids, pos, ctx):
+        logits = call(bucket, ids, pos, ctx)
+        if bucket is None:
+            rows_seen.append((ctx.rows, ids.shape[0], logits.shape[0]))
+        return logits
+    runner.call = spy
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for n in (3, 5, 8):
+                got, want = run_both(dynamic_pair, random_prompts(n, seed=50 + n, lo=3, hi=9),
+                                     params)
+                assert got == want, n
+    finally:
+        del runner.call
+    assert {r for r, _, _ in rows_seen} >= {3, 5, 8}
+    assert all(r == i == o for r, i, o in rows_seen), rows_seen     # unpadded
+    assert set(runner.compile_s) == {2, "3+"}
+
+
+@pytest.mark.slow
+def test_the_dynamic_graph_preempts_and_forks_like_eager(dynamic_pair):
+    """Seeded n = 3 samples and greedy requests in a pool too small for all: the batch grows and
+    shrinks across bucket 2 and the dynamic graph, and every token is the eager engine's."""
+    compiled, eager = dynamic_pair
+    before = compiled.engine.num_preemptions
+    prompts = random_prompts(6, seed=12, lo=8, hi=16)
+    got, want = run_both(dynamic_pair, prompts,
+                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert got == want and compiled.engine.num_preemptions > before
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
+    got, want = run_both(dynamic_pair, prompts[:2], sampled)
     assert got == want and all(len(o) == 3 for o in got)
 
 

@@ -6,13 +6,17 @@ from dataclasses import dataclass
 
 from ...runtime.config import check_bool, option
 
-# nano-vllm's CUDA-graph sizes: 1, 2, 4, 8, then every 16 (vLLM's: every 8). A batch of n decodes
-# runs in the smallest bucket that holds it, so each shape is compiled once. Every 16 and not
-# doubling: on a CPU a padded row costs what a real one does -- with doubling buckets, 33 rows ran
-# as 64 and the compiled engine was slower than the eager one at max_num_seqs 64
-# (docs/rungs/14_compiled.md); on a GPU a few rows more are nearly free.
-DEFAULT_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 129, 16))
+# nano-vllm's CUDA-graph sizes start 1, 2, 4, 8 (then every 16; vLLM's every 8). A batch of n
+# decodes runs in the smallest bucket that holds it, so each shape is compiled once. On a CPU a
+# padded row costs what a real one does: with doubling buckets 33 rows ran as 64, and with buckets
+# every 16 a 128-request run padded its decode batches (46 rows on average) by ~15% more rows, as
+# much as compiling saved (docs/rungs/14_compiled.md). So the buckets stop at 8 -- up to there
+# the product's kernel depends on the row count (layers/gemv.py's MAX_ROWS) -- and a larger batch
+# runs one graph compiled for any batch size, unpadded (``LARGE``'s "dynamic", vLLM's own choice
+# for its compiled graph: dynamic in the token count, CUDA graphs only on top of it).
+DEFAULT_BUCKETS = (1, 2, 4, 8)
 WRAPPERS = ("python", "cpp")
+LARGE = ("dynamic", "eager")
 
 
 def parse_buckets(text: str | None) -> tuple[int, ...]:
@@ -47,8 +51,12 @@ class CompileConfig:
                "the compiled engine")
     compile_buckets: str | None = option(
         None, "compiled: the batch sizes decode steps are padded to, each compiled once on "
-              "first use, e.g. '1,2,4,8' (default 1,2,4,8 then every 16 up to 128); a larger "
-              "batch runs eagerly")
+              "first use, e.g. '1,2,4,8' (the default); a larger batch runs as "
+              "compile_large_batches says")
+    compile_large_batches: str = option(
+        "dynamic", "compiled: what a decode batch larger than the last bucket runs: 'dynamic' "
+                   "(one graph compiled for any batch size, dynamic shapes, unpadded) or "
+                   "'eager' (rung 3's step)")
     compile_wrapper: str = option(
         "python", "compiled: the code around the step's kernels, 'python' (inductor's default) "
                   "or 'cpp' (inductor's C++ wrapper: no Python between the ~150 kernel and "
@@ -64,10 +72,13 @@ class CompileConfig:
         if self.compile_wrapper not in WRAPPERS:
             raise ValueError(f"compile_wrapper must be one of {', '.join(map(repr, WRAPPERS))}, "
                              f"got {self.compile_wrapper!r}")
+        if self.compile_large_batches not in LARGE:
+            raise ValueError(f"compile_large_batches must be one of "
+                             f"{', '.join(map(repr, LARGE))}, got {self.compile_large_batches!r}")
 
     @property
     def buckets(self) -> tuple[int, ...]:
         return parse_buckets(self.compile_buckets)
 
 
-__all__ = ["CompileConfig", "DEFAULT_BUCKETS", "WRAPPERS", "bucket_for", "parse_buckets"]
+__all__ = ["CompileConfig", "DEFAULT_BUCKETS", "LARGE", "WRAPPERS", "bucket_for", "parse_buckets"]

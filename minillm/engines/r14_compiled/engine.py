@@ -17,6 +17,7 @@ class CompiledEngine(PagedEngine):
     def make_runner(self, num_blocks: int, block_size: int, backend) -> CompiledRunner:
         return CompiledRunner(self.model, num_blocks, block_size, backend,
                               buckets=self.compile_config.buckets,
+                              large=self.compile_config.compile_large_batches,
                               wrapper=self.compile_config.compile_wrapper,
                               linear_kernel=self.linear_kernel(), kv_format=self.kv_format,
                               ops=self.layer_ops())
