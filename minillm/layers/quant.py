@@ -29,6 +29,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .config import QUANTIZATIONS
 
@@ -91,8 +92,10 @@ def int8_path(device: torch.device | str = "cpu", dtype: torch.dtype | None = No
 def int8_path_with_kernel(dtype: torch.dtype, rows: int) -> str:
     """``int8_path`` where the fast kernel exists: a rule on the product alone, so a compiled
     graph can apply it while tracing (asking torch for the CPU's capability there would not
-    trace)."""
-    fast = dtype in (torch.bfloat16, torch.float16) and rows <= INT8PACK_MAX_ROWS
+    trace). ``rows`` may be a symbol (rung 14's dynamic graph): the fast kernel only where it
+    holds for every row count, with no guard added."""
+    fast = (dtype in (torch.bfloat16, torch.float16)
+            and statically_known_true(rows <= INT8PACK_MAX_ROWS))
     return "int8pack" if fast else "dequant"
 
 

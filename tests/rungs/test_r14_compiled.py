@@ -127,62 +127,100 @@ def test_a_batch_past_the_buckets_runs_eagerly_when_asked(tiny):
         == "eager"
 
 
+# a pool that holds 16 sequences, tight enough to preempt the longer runs below
+ROOMY = {"block_size": 4, "num_blocks": 80, "max_num_seqs": 16}
+
+
 @pytest.fixture(scope="module")
 def dynamic_pair(tiny):
-    """(compiled, eager) with bucket 2 and the dynamic graph past it, both compiled by the
-    engine's warm-up (max_num_seqs 8: the dynamic graph is reachable)."""
-    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="2", **TIGHT)
+    """(compiled, eager) with bucket 2 and the dynamic graph from 9 rows (never under 9, where an
+    eager product may stream its weight), both compiled by the engine's warm-up."""
+    compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="2", **ROOMY)
     lines: list[str] = []
     compiled.engine.runner.progress = lines.append
     compiled.engine.warm_up()
-    assert set(compiled.engine.runner.compile_s) == {2, "3+"}, lines
-    assert any("batch 3+" in line and "then any batch" in line for line in lines), lines
-    return compiled, LLM(tiny, engine="paged", **TIGHT)
+    assert set(compiled.engine.runner.compile_s) == {2, "9+"}, lines
+    assert any("batch 9+" in line and "then any batch" in line for line in lines), lines
+    return compiled, LLM(tiny, engine="paged", **ROOMY)
+
+
+def spy_on_calls(runner) -> list:
+    """(bucket, real rows, rows in, logits rows) of each compiled call, appended as they run."""
+    seen, call = [], runner.call
+
+    def spy(bucket, ids, pos, ctx):
+        logits = call(bucket, ids, pos, ctx)
+        seen.append((bucket, ctx.rows, ids.shape[0], logits.shape[0]))
+        return logits
+    runner.call = spy
+    return seen
 
 
 @pytest.mark.slow
 def test_one_dynamic_graph_runs_every_batch_past_the_buckets_unpadded(dynamic_pair):
-    """Batches of 3, 5 and 8 decodes run the graph the warm-up compiled at 3 rows, with no
-    recompile (an error here) and no padding: its logits have one row per sequence, and the
-    tokens are the eager engine's."""
+    """Batches of 3 (eager: between bucket 2 and 9), 9, 12 and 16 decodes: the three large ones
+    run the graph the warm-up compiled at 9 rows, with no recompile (an error here) and no
+    padding -- one logits row per sequence -- and the tokens are the eager engine's."""
     compiled, _ = dynamic_pair
     runner = compiled.engine.runner
-    rows_seen = []
-    call = runner.call
-
-    def spy(bucket, ids, pos, ctx):
-        logits = call(bucket, ids, pos, ctx)
-        if bucket is None:
-            rows_seen.append((ctx.rows, ids.shape[0], logits.shape[0]))
-        return logits
-    runner.call = spy
+    seen = spy_on_calls(runner)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
-            for n in (3, 5, 8):
+            for n in (3, 9, 12, 16):
                 got, want = run_both(dynamic_pair, random_prompts(n, seed=50 + n, lo=3, hi=9),
                                      params)
                 assert got == want, n
     finally:
         del runner.call
-    assert {r for r, _, _ in rows_seen} >= {3, 5, 8}
-    assert all(r == i == o for r, i, o in rows_seen), rows_seen     # unpadded
-    assert set(runner.compile_s) == {2, "3+"}
+    dynamic = [(rows, into, out) for bucket, rows, into, out in seen if bucket is None]
+    assert {rows for rows, _, _ in dynamic} >= {9, 12, 16}
+    assert all(rows == into == out for rows, into, out in dynamic), dynamic     # unpadded
+    assert all(rows <= 2 or rows >= 9 for _, rows, _, _ in seen), seen          # 3-8: eager
+    assert set(runner.compile_s) == {2, "9+"}
 
 
 @pytest.mark.slow
 def test_the_dynamic_graph_preempts_and_forks_like_eager(dynamic_pair):
     """Seeded n = 3 samples and greedy requests in a pool too small for all: the batch grows and
-    shrinks across bucket 2 and the dynamic graph, and every token is the eager engine's."""
+    shrinks across bucket 2, eager steps and the dynamic graph; every token is the eager
+    engine's."""
     compiled, eager = dynamic_pair
     before = compiled.engine.num_preemptions
-    prompts = random_prompts(6, seed=12, lo=8, hi=16)
+    prompts = random_prompts(16, seed=12, lo=8, hi=16)
     got, want = run_both(dynamic_pair, prompts,
                          SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert got == want and compiled.engine.num_preemptions > before
     sampled = SamplingParams(n=3, max_tokens=8, temperature=0.8, seed=7, ignore_eos=True)
-    got, want = run_both(dynamic_pair, prompts[:2], sampled)
+    got, want = run_both(dynamic_pair, prompts[:4], sampled)
     assert got == want and all(len(o) == 3 for o in got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,kw", [("float32", {"linear_backend": "gemv"}),
+                                      ("bfloat16", {"quantization": "int8"})])
+def test_the_dynamic_graph_with_kernels_chosen_by_row_count(tiny, dtype, kw):
+    """The streamed product (up to 8 rows) and int8's int8pack path (bf16, up to 16 rows) are
+    picked by the row count, which in the dynamic graph is a symbol: the graph takes the large
+    rows' kernel with no guard on it, so batches of 12 and 20 share one graph (a guard would have
+    contradicted the marked range: a ConstraintViolationError). In fp32 the tokens are the eager
+    engine's; bf16 int8 runs int8pack eagerly at 12 rows, so there only the graph is checked."""
+    from minillm.models import load_model
+    model = tiny if dtype == "float32" else load_model("tiny-llama", dtype=torch.bfloat16)
+    opts = {"block_size": 4, "num_blocks": 120, "max_num_seqs": 20}
+    compiled = LLM(model, engine="paged", compile=True, compile_buckets="2", **opts, **kw)
+    compiled.engine.warm_up()
+    seen = spy_on_calls(compiled.engine.runner)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eager = LLM(model, engine="paged", **opts, **kw)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for n in (12, 20):
+            got, want = run_both((compiled, eager), random_prompts(n, seed=n, lo=3, hi=7), params)
+            assert len(got) == n and all(len(o[0]) == 4 for o in got)
+            if dtype == "float32":
+                assert got == want, n
+    assert {rows for bucket, rows, _, _ in seen if bucket is None} >= {12, 20}
+    assert set(compiled.engine.runner.compile_s) == {2, "9+"}
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...layers.fused import EagerOps
 from ...layers import gemv
@@ -60,8 +61,12 @@ class GraphLinear(nn.Module):
         self.register_buffer("bias", lin.bias, persistent=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # the shape and dtype are the bucket's, fixed while tracing: one branch per graph
-        if self.streamed and x.shape[0] <= MAX_ROWS and x.dtype in self.kernel.stream_dtypes:
+        # the shape and dtype are the bucket's, fixed while tracing: one branch per graph. In the
+        # dynamic graph the row count is a symbol: ``statically_known_true`` takes the branch
+        # only where it holds for every row count of its range, and adds no guard (a guard on
+        # the symbol would contradict the range the runner marked, runner.py)
+        if (self.streamed and statically_known_true(x.shape[0] <= MAX_ROWS)
+                and x.dtype in self.kernel.stream_dtypes):
             return self.kernel.stream(x, (self.w, self.scale), self.bias, residual)
         if self.index is not None and self.native:
             return torch.ops.minillm.step_linear(x, residual, self.index, self.out_features)

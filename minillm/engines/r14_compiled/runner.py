@@ -23,6 +23,7 @@ from torch import nn
 
 from ...core.runner import ModelRunner
 from ...layers.attention.cpp import CppAttention
+from ...layers.gemv import MAX_ROWS
 from .config import bucket_for
 from .graph import DecodeGraph
 from .ops import StepContext, step_context
@@ -50,8 +51,11 @@ class CompiledRunner(ModelRunner):
                  progress=None, **options):
         super().__init__(model, num_blocks, block_size, backend, **options)
         self.buckets, self.wrapper = buckets, wrapper
-        # the dynamic graph's smallest batch, or None: larger batches run eagerly
-        self.dynamic_from = buckets[-1] + 1 if large == "dynamic" else None
+        # the dynamic graph's smallest batch, or None: larger batches run eagerly. Never at or
+        # under MAX_ROWS, where the eager product streams its weight (layers/gemv.py) and the
+        # dynamic graph, one kernel for all its rows, would not: a batch between a last bucket
+        # under 8 and 9 runs eagerly
+        self.dynamic_from = max(buckets[-1], MAX_ROWS) + 1 if large == "dynamic" else None
         self.progress = progress if progress is not None else _stderr
         self.cache = use_disk_cache()
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
@@ -92,8 +96,9 @@ class CompiledRunner(ModelRunner):
     def compilable(self, scheduled) -> bool:
         """A step of one-token decodes with no guesses and no prompt logprobs, that fits a
         bucket or the dynamic graph: what a compiled graph computes."""
-        return (0 < len(scheduled) and (len(scheduled) <= self.buckets[-1]
-                                        or self.dynamic_from is not None)
+        rows = len(scheduled)
+        return (0 < rows and (rows <= self.buckets[-1] or self.dynamic_from is not None
+                              and rows >= self.dynamic_from)
                 and all(n == 1 and not s.spec_token_ids and s.request.prompt_logprobs is None
                         for s, n in scheduled))
 
