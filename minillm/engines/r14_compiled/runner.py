@@ -56,6 +56,7 @@ class CompiledRunner(ModelRunner):
         # dynamic graph, one kernel for all its rows, would not: a batch between a last bucket
         # under 8 and 9 runs eagerly
         self.dynamic_from = max(buckets[-1], MAX_ROWS) + 1 if large == "dynamic" else None
+        self.any_key = f"{self.dynamic_from}+"     # the dynamic graph's name in ``compile_s``
         self.progress = progress if progress is not None else _stderr
         self.cache = use_disk_cache()
         # each bucket is a shape of one function: dynamo's default allows 8 before it gives up
@@ -97,8 +98,8 @@ class CompiledRunner(ModelRunner):
         """A step of one-token decodes with no guesses and no prompt logprobs, that fits a
         bucket or the dynamic graph: what a compiled graph computes."""
         rows = len(scheduled)
-        return (0 < rows and (rows <= self.buckets[-1] or self.dynamic_from is not None
-                              and rows >= self.dynamic_from)
+        return (0 < rows and (rows <= self.buckets[-1]
+                              or (self.dynamic_from is not None and rows >= self.dynamic_from))
                 and all(n == 1 and not s.spec_token_ids and s.request.prompt_logprobs is None
                         for s, n in scheduled))
 
@@ -137,7 +138,7 @@ class CompiledRunner(ModelRunner):
             # real batch fails (dynamo needs both ends of the range)
             for t in (ids, pos):
                 torch._dynamo.mark_dynamic(t, 0, min=self.dynamic_from, max=ANY_BATCH_MAX)
-            graph, key = self.compiled_any, f"{self.dynamic_from}+"
+            graph, key = self.compiled_any, self.any_key
         first = key not in self.compile_s
         if first:
             self.progress(f"compiling the decode step for batch {key} (buckets "
@@ -166,8 +167,8 @@ class CompiledRunner(ModelRunner):
             graphs.append(None)
         done = []
         for bucket in graphs:
-            rows = bucket or self.dynamic_from
-            if (bucket if bucket else f"{rows}+") in self.compile_s:
+            rows, key = bucket or self.dynamic_from, bucket or self.any_key
+            if key in self.compile_s:
                 continue
             # three tensors, not one: a graph traced with ids and pos the same tensor is guarded
             # on that, and a real step (two tensors) compiled the bucket again
@@ -177,7 +178,7 @@ class CompiledRunner(ModelRunner):
                                torch.zeros(rows, 1, dtype=torch.int32, device=self.device),
                                torch.ones(rows, dtype=torch.int32, device=self.device))
             self.call(bucket, ids, pos, ctx)
-            done.append(bucket if bucket else f"{rows}+")
+            done.append(key)
         return done
 
     def describe(self) -> dict:
