@@ -98,11 +98,15 @@ def linear_floor_ms(net, rows: int, repeats: int = 5) -> tuple[float, float]:
     return ms, flops / ms / 1e6
 
 
+LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise",   # torch's / oneDNN's kernel
+              "minillm::gemv", "minillm::gemv_w8a8", "minillm::tiled_mm")      # rung 14's
+
+
 def classify(name: str) -> str | None:
+    if name in LINEAR_OPS:         # (inclusive time: aten::linear's addmm/mm are inside it)
+        return "linear"
     if name.startswith("minillm::"):
         return name.removeprefix("minillm::")
-    if name in ("aten::linear", "mkldnn::_linear_pointwise"):   # torch's / oneDNN's kernel
-        return "linear"                # (inclusive time: aten::linear's addmm/mm are inside it)
     return None
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..runtime.config import option
 
 ATTENTION_BACKENDS = ("torch", "cpp", "triton")
-LINEAR_BACKENDS = ("torch", "onednn", "gemv")
+LINEAR_BACKENDS = ("torch", "onednn", "gemv", "tiled")
 LAYER_OPS = ("fused", "eager")
 QUANTIZATIONS = ("int8", "w8a8")     # rung 14's weight formats (layers/quant.py)
 
@@ -23,8 +23,10 @@ class ModelConfig:
               "CPU where a C++ compiler builds it, else torch)", aliases=("--attention",))
     linear_backend: str | None = option(
         None, "paged: linear-layer kernel, torch (F.linear), onednn (weights reordered once; "
-              "default for fp32 on the CPU where it works, else torch) or gemv (rung 14: up to "
-              "8 fp32 rows streamed by layers/gemv.py, more rows by the default)")
+              "default for fp32 on the CPU where it works, else torch), gemv (rung 14: up to "
+              "8 fp32 rows streamed by layers/gemv.py, more rows by the default) or tiled "
+              "(rung 14: gemv up to 8 rows, more in register tiles, layers/tiled.py; AVX-512, "
+              "fp32 or bf16)")
     layer_ops: str | None = option(
         None, "paged: a layer's RMSNorm, RoPE and SiLU, fused (one C++ pass each: the default for "
               "fp32/bf16/fp16 on the CPU where it builds) or eager (torch ops: the reference)")

@@ -154,8 +154,10 @@ def onednn_works(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
-    """``torch``, ``onednn`` or ``gemv`` (rung 14, layers/gemv.py). By default onednn for fp32 and bf16 on the CPU where it works,
-    torch otherwise (a GPU's cuBLAS needs no help; fp16 on a CPU stays on torch's path). Asking
+    """``torch``, ``onednn``, or rung 14's ``gemv`` (layers/gemv.py) and ``tiled`` (gemv up to
+    8 rows, layers/tiled.py above; where it cannot run, one warning and gemv). By default
+    onednn for fp32 and bf16 on the CPU where it works, torch otherwise (a GPU's cuBLAS needs
+    no help; fp16 on a CPU stays on torch's path). Asking
     for onednn where it cannot run warns once and uses torch: same tokens, slower. ``int8`` and
     ``w8a8`` are rung 14's kernels on int8 weights (quant.py), named by
     ``ModelConfig.quantization``; w8a8 where the CPU has no int8 units is a RuntimeError."""
@@ -174,6 +176,15 @@ def get_linear_kernel(name: str | None, device, dtype: torch.dtype):
         return TorchLinear()
     if name == "gemv":
         from .gemv import GemvLinear
+        return GemvLinear(OneDNNLinear() if fits else TorchLinear())
+    if name == "tiled":
+        from . import tiled
+        from .gemv import GemvLinear
+        why = tiled.why_not(device, dtype)
+        if why is None:
+            return tiled.GemvTiledLinear()
+        warnings.warn(f"linear_backend='tiled' cannot run here: {why}; using gemv",
+                      RuntimeWarning, stacklevel=2)
         return GemvLinear(OneDNNLinear() if fits else TorchLinear())
     if name == "int8":
         from .gemv import int8_kernel

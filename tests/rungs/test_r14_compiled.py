@@ -18,6 +18,7 @@ from minillm.engines.r14_compiled.config import (DEFAULT_BUCKETS, CompileConfig,
                                                  parse_buckets)
 from minillm.engines.r14_compiled.graph import GraphLinear
 from minillm.engines.r14_compiled.ops import load_step_linear
+from minillm.layers import tiled
 from minillm.layers.attention.cpp import cpp_available
 from minillm.layers.quant import w8a8_missing
 
@@ -26,6 +27,13 @@ from minillm.layers.quant import w8a8_missing
 # checked without compiling (test_bucket_is_the_smallest_that_holds_the_batch)
 BUCKETS = "8"
 TIGHT = {"block_size": 4, "num_blocks": 20, "max_num_seqs": 8}
+# the compiled engine's default product kernel (engine.py: ``tiled`` where it is the faster one):
+# each eager twin runs the same one, so both sum the same products in the same order
+KERNEL = {"linear_backend": "tiled"} if tiled.preferred("cpu", torch.float32) else {}
+
+
+def eager(model, **kw):
+    return LLM(model, engine="paged", **KERNEL, **kw)
 
 
 @pytest.mark.parametrize("buckets", [DEFAULT_BUCKETS, (1, 3, 8), (4,)])
@@ -69,7 +77,7 @@ def test_engine_builds_without_compiling(tiny):
 def pair(tiny):
     """(compiled, eager): the same options, a pool tight enough to preempt."""
     return (LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS, **TIGHT),
-            LLM(tiny, engine="paged", **TIGHT))
+            eager(tiny, **TIGHT))
 
 
 def run_both(pair, prompts, params):
@@ -88,9 +96,11 @@ def test_compiled_greedy_equals_eager(pair, n_prompts):
     assert got == want
     runner = pair[0].engine.runner
     assert runner.steps["compiled"] > 0 and runner.native     # the C++ attention operator
-    if load_step_linear() is not None:                  # and the C++ linear operator
-        packed = [m for m in runner.graph.modules() if isinstance(m, GraphLinear) and
-                  m.index is not None]
+    packed = [m for m in runner.graph.modules() if isinstance(m, GraphLinear) and
+              m.index is not None]
+    if KERNEL:          # the tiles: plain panels, traced inline, nothing packed by oneDNN
+        assert pair[0].engine.describe()["linear_kernel"] == "tiled" and not packed
+    elif load_step_linear() is not None:                # oneDNN's, through the C++ operator
         assert packed and all(m.native for m in packed)
         assert runner.graph.linear_table is not None
     assert set(runner.compile_s) <= set(parse_buckets(BUCKETS))
@@ -120,7 +130,7 @@ def test_a_batch_past_the_buckets_runs_eagerly_when_asked(tiny):
                    compile_large_batches="eager", **TIGHT)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     prompts = random_prompts(3, seed=3, lo=3, hi=8)
-    got, want = run_both((compiled, LLM(tiny, engine="paged", **TIGHT)), prompts, params)
+    got, want = run_both((compiled, eager(tiny, **TIGHT)), prompts, params)
     runner = compiled.engine.runner
     assert got == want and runner.compile_s == {} and runner.steps["compiled"] == 0
     assert runner.steps["eager"] >= 5 and compiled.engine.describe()["compile_large_batches"] \
@@ -141,7 +151,7 @@ def dynamic_pair(tiny):
     compiled.engine.warm_up()
     assert set(compiled.engine.runner.compile_s) == {2, "9+"}, lines
     assert any("batch 9+" in line and "then any batch" in line for line in lines), lines
-    return compiled, LLM(tiny, engine="paged", **ROOMY)
+    return compiled, eager(tiny, **ROOMY)
 
 
 def spy_on_calls(runner) -> list:
@@ -278,8 +288,7 @@ def test_compiled_on_a_16_bit_pool_calls_the_c_operator_and_equals_eager(tiny):
     tokens are the eager engine's."""
     kw = {"kv_cache_dtype": "float16", **TIGHT}
     compiled = LLM(tiny, engine="paged", compile=True, compile_buckets=BUCKETS, **kw)
-    eager = LLM(tiny, engine="paged", **kw)
-    got, want = run_both((compiled, eager), random_prompts(3, seed=9, lo=3, hi=12),
+    got, want = run_both((compiled, eager(tiny, **kw)), random_prompts(3, seed=9, lo=3, hi=12),
                          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert got == want and compiled.engine.runner.steps["compiled"] > 0
     assert compiled.engine.runner.native == cpp_available()
@@ -291,11 +300,11 @@ def test_each_bucket_gets_its_graph_with_the_module_guards_skipped(tiny):
     a batch of 2 after a batch of 1 still finds (compiles) bucket 2's graph, and 1 finds its own
     again; every step's tokens are the eager engine's."""
     compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="1,2")
-    eager = LLM(tiny, engine="paged")
+    twin = eager(tiny)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for n in (1, 2, 1):
         prompts = random_prompts(n, seed=n, lo=3, hi=8)
-        got, want = run_both((compiled, eager), prompts, params)
+        got, want = run_both((compiled, twin), prompts, params)
         assert got == want
     runner = compiled.engine.runner
     assert set(runner.compile_s) == {1, 2} and runner.steps["compiled"] >= 3 * 5
@@ -359,7 +368,7 @@ def test_async_scheduling_with_a_compiled_step(tiny):
     compiled = LLM(tiny, engine="paged", compile=True, compile_buckets="4",
                    async_scheduling=True)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    got, want = run_both((compiled, LLM(tiny, engine="paged")),
+    got, want = run_both((compiled, eager(tiny)),
                          random_prompts(4, seed=41, lo=3, hi=10), params)
     assert got == want and compiled.engine.runner.steps["compiled"] > 0
 
@@ -411,13 +420,13 @@ def test_a_server_s_engine_loop_compiles_every_reachable_bucket_before_it_serves
     finally:
         loop.shutdown()
     warmed = len(lines)
-    eager = LLM(tiny, engine="paged", max_num_seqs=2)
+    twin = eager(tiny, max_num_seqs=2)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = random_prompts(3, seed=5, lo=3, hi=9)
     # a warm-up graph a real step's guards refused would be compiled again, silently (the
     # server's was: its inputs had been one tensor twice); here it would be an error
     with torch._dynamo.config.patch(error_on_recompile=True):
-        got, want = run_both((compiled, eager), prompts, params)
+        got, want = run_both((compiled, twin), prompts, params)
     assert got == want
     assert compiled.engine.runner.steps["compiled"] > 0 and len(lines) == warmed, lines
 

@@ -6,6 +6,8 @@ a step the graph does not cover runs eagerly."""
 from __future__ import annotations
 
 from ...core.engine import PagedEngine
+from ...layers import tiled
+from ...layers.linear import get_linear_kernel
 from .config import CompileConfig
 from .runner import CompiledRunner
 
@@ -21,6 +23,15 @@ class CompiledEngine(PagedEngine):
                               wrapper=self.compile_config.compile_wrapper,
                               linear_kernel=self.linear_kernel(), kv_format=self.kv_format,
                               ops=self.layer_ops())
+
+    def linear_kernel(self):
+        """This rung's product kernels unless ``linear_backend`` names one: ``tiled`` (gemv's
+        streamed rows up to 8, register tiles above; layers/tiled.py) where it is the faster
+        kernel here, else the paged engine's default."""
+        if self.model_config.linear_backend is None and tiled.preferred(self.model.device,
+                                                                        self.model.dtype):
+            return get_linear_kernel("tiled", self.model.device, self.model.dtype)
+        return super().linear_kernel()
 
     def warm_up(self) -> None:
         """Compile the decode step for every batch size the scheduler can reach (its

@@ -28,7 +28,8 @@ class GraphLinear(nn.Module):
     (``traceable = False``: oneDNN's opaque packed copy) is the ``packed_linear`` op, which finds
     the layer by its index in ``linears`` (the step's context carries that list, ops.py). The
     streamed kernels (layers/gemv.py) are both: the ``minillm::gemv`` operator on their plain
-    tensors for a bucket of up to ``MAX_ROWS`` rows, ``packed_linear`` above."""
+    tensors for a bucket of up to ``MAX_ROWS`` rows, and above it their many-row kernel --
+    ``packed_linear`` for oneDNN's, inline for ``tiled``'s (layers/tiled.py: plain panels)."""
 
     def __init__(self, lin: Linear, linears: list):
         super().__init__()
@@ -43,18 +44,20 @@ class GraphLinear(nn.Module):
             self.register_buffer("w", weight, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
             self.register_buffer("bias", lin.bias, persistent=False)
-        if not lin.kernel.traceable:
+        many, packed = lin.kernel, lin.packed       # what computes more than MAX_ROWS rows
+        if isinstance(many, GemvLinear) and many.base.traceable:
+            many, packed = many.base, packed[1]
+        if not many.traceable:
             self.index = len(linears)
             linears.append(lin)
             # oneDNN's packed copy: the C++ operator where it built, else the Python op
             self.native = onednn_weight(lin) is not None and ops.load_step_linear() is not None
             return
-        self.kernel = lin.kernel
+        self.many = many
         # int8's path depends on the CPU (asked here: the question does not trace) and on the
         # rows and dtype (fixed per bucket while tracing, below)
-        self.int8_kernel = (isinstance(self.kernel, Int8Linear) and self.kernel.path is None
+        self.int8_kernel = (isinstance(many, Int8Linear) and many.path is None
                             and int8_path(lin.weight.device) == "int8pack")
-        packed = lin.packed
         self.parts = len(packed) if isinstance(packed, tuple) else 0
         for i, t in enumerate(packed if self.parts else (packed,)):
             self.register_buffer(f"p{i}", t, persistent=False)
@@ -74,7 +77,7 @@ class GraphLinear(nn.Module):
             return torch.ops.minillm.packed_linear(x, residual, self.index, self.out_features)
         packed = tuple(getattr(self, f"p{i}") for i in range(self.parts)) if self.parts else \
             self.p0
-        kernel = self.kernel
+        kernel = self.many
         if isinstance(kernel, Int8Linear) and kernel.path is None:
             kernel = Int8Linear(int8_path_with_kernel(x.dtype, x.shape[0]) if self.int8_kernel
                                 else "dequant")

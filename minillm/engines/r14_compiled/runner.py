@@ -184,7 +184,7 @@ class CompiledRunner(ModelRunner):
     def describe(self) -> dict:
         return {"compile_buckets": ",".join(map(str, self.buckets)),
                 "compile_large_batches": "eager" if self.dynamic_from is None else "dynamic",
-                "compile_wrapper": self.wrapper,
+                "compile_wrapper": self.wrapper, "linear_kernel": self.net.linear_kernel.name,
                 "compile_s": {b: round(s, 2) for b, s in self.compile_s.items()},
                 "compiled_steps": self.steps["compiled"], "eager_steps": self.steps["eager"]}
 
