@@ -83,8 +83,8 @@ def product_times(out_features: int = 1536, in_features: int = 576, copies: int 
     (BLAS on the plain weight, what inductor's ``mm`` calls), oneDNN on its packed copy (the
     eager engine's ``onednn`` kernel, and rung 14's ``packed_linear``), int8 ``dequant`` and
     ``int8pack`` (torch's op, where it has its AVX-512 kernel), w8a8 on ``torch._int_mm`` where
-    the CPU has int8 units, and rung 14's streamed kernels (``layers/gemv.py``) on fp32, int8
-    and, with VNNI and fp32 rows, w8a8."""
+    the CPU has int8 units, rung 14's streamed kernels (``layers/gemv.py``) on fp32, int8
+    and, with VNNI and fp32 rows, w8a8, and its tiles (``layers/tiled.py``) where they run."""
     import torch
     import torch.nn.functional as F
 
@@ -114,6 +114,9 @@ def product_times(out_features: int = 1536, in_features: int = 576, copies: int 
         if gemv.load().has_vnni() and fp32:
             v = gemv.W8A8GemvLinear()
             ways["gemv w8a8"] = (v.pack, lambda p: v.stream(x, p))
+    from ..layers import tiled
+    if dtype in tiled.dtypes():
+        ways["tiled"] = (tiled.load().pack, lambda p: tiled.tiled(x, p))
     out = {}
     for name, (pack, call) in ways.items():
         packed = [pack(w) for w in weights]

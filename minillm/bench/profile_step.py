@@ -8,9 +8,10 @@ to split the step into components: the linear layers, attention (everything insi
 (scheduling, block manager, the commit point).
 
 Beside each row, the floor: the same model's linear layers alone on N rows, through the fastest
-linear kernel here (oneDNN on weights reordered once, as ``torch.compile(freezing=True)`` would
-run them; layers/linear.py), and how close that chain comes to this CPU's matmul peak in the same
-dtype (a large square GEMM through the same kernel). "ratio" = step time / that chain. ``--dtype
+linear kernel here (rung 14's ``tiled`` where it is the faster one, layers/tiled.py; else oneDNN
+on weights reordered once, as ``torch.compile(freezing=True)`` would run them; layers/linear.py),
+and how close that chain comes to this CPU's matmul peak in the same dtype (a large square GEMM
+through the default kernel, oneDNN's on a CPU). "ratio" = step time / that chain. ``--dtype
 float32,bfloat16`` alternates the model's dtypes row by row (bf16: AMX / AVX512-BF16 units). Speed is a ratio measured
 in one run: the machine is noisy; targets live here and in ``make bench``, never in timed tests.
 """
@@ -27,6 +28,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ..layers import tiled
 from ..layers.linear import get_linear_kernel, matmul_gflops
 from ..core.model import PagedLlama
 
@@ -142,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="attention backend(s), comma-separated: torch, cpp, triton (default: the "
                         "engine's default); several backends alternate row by row in one run")
     p.add_argument("--linear", default=None,
-                   help="the engine's linear kernel(s), comma-separated: torch, onednn (default: "
-                        "the engine's default); the floor always uses the fastest kernel here")
+                   help="the engine's linear kernel(s), comma-separated: torch, onednn, gemv, "
+                        "tiled (default: the engine's default); the floor always uses the "
+                        "fastest kernel here")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="how the KV pool stores K/V, comma-separated: auto, float16, bfloat16, "
                         "int8, fp8 (rung 9); several alternate row by row in one run")
@@ -220,8 +223,10 @@ def run(args: argparse.Namespace) -> int:
 def dtype_setup(model) -> tuple:
     """(model, its fastest linear kernel, that kernel's matmul peak in the model's dtype, the
     model's layers on that kernel: the floor's chain)."""
-    fastest = get_linear_kernel(None, model.device, model.dtype)
-    peak = matmul_gflops(fastest, dtype=model.dtype)
+    default = get_linear_kernel(None, model.device, model.dtype)
+    peak = matmul_gflops(default, dtype=model.dtype)      # a large square product: oneDNN's
+    fastest = (get_linear_kernel("tiled", model.device, model.dtype)
+               if tiled.preferred(model.device, model.dtype) else default)
     return model, fastest, peak, PagedLlama(model.hf_model, fastest)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillm.bench import one_stream
-from minillm.layers import gemv
+from minillm.layers import gemv, tiled
 from minillm.layers.quant import has_int8pack_kernel, w8a8_missing
 
 
@@ -22,6 +22,7 @@ def test_product_lines_are_the_ways_this_host_has(rows, dtype):
     if gemv.load() is not None and rows <= gemv.MAX_ROWS:       # decode rows only
         want |= {"gemv", "gemv int8"}
         want |= {"gemv w8a8"} if gemv.load().has_vnni() and fp32 else set()
+    want |= {"tiled"} if dtype in tiled.dtypes() else set()
     assert want <= set(times) <= want | {"onednn packed"}
     assert all(us > 0 for us in times.values())
 
