@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                         "auto: bf16 where this CPU computes it natively); several alternate")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, one per core)")
+    p.add_argument("--chains", default=None,
+                   help="instead of steps: the linear chain alone (every product of a step) "
+                        "through each of these kernels, comma-separated, e.g. onednn,tiled; "
+                        "alternated pass by pass, median of --steps passes")
     p.add_argument("--busy", type=int, default=0,
                    help="keep this many cores busy with other processes while measuring (a "
                         "shared machine; with OMP_WAIT_POLICY=PASSIVE in the environment too)")
@@ -185,13 +189,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.chains:
+        for d in args.dtype.split(","):
+            compare_chains(load_model(args.model, dtype=d), args.chains.split(","),
+                           [int(r) for r in args.rows.split(",")], args.steps)
+        return 0
     setups = [dtype_setup(load_model(args.model, dtype=d)) for d in args.dtype.split(",")]
     model = setups[0][0]
     backends = (args.backend or get_attention_backend(None, model.device).name).split(",")
     print(f"decode step, {args.context} tokens of context, {torch.get_num_threads()} thread(s), "
           f"{args.busy} core(s) busy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}; "
-          + "; ".join(f"{dtype_name(m.dtype)} matmul peak {peak:.0f} GFLOP/s ({k.name}, 2048^3)"
-                      for m, k, peak, _ in setups) + "\n")
+          + "; ".join(f"{dtype_name(m.dtype)} matmul peak {peak:.0f} GFLOP/s (default kernel, "
+                      f"2048^3)" for m, _, peak, _ in setups) + "\n")
     head = f"{'rows':>5} {'dtype':>8} {'attention':>9} {'ops':>6} {'linear':>6} {'kv':>8} " \
         f"{'ms/step':>8} " \
         f"{'tok/s':>7} {'floor':>9} {'ratio':>6} {'floor GF/s':>10} {'of peak':>7}  " + \
@@ -218,6 +227,29 @@ def run(args: argparse.Namespace) -> int:
                       f"  {p90:>7.1f}", flush=True)
                 del llm
     return 0
+
+
+def compare_chains(model, kernels: list[str], rows_list: list[int], passes: int) -> None:
+    """The linear chain alone (``linear_chain``) through each kernel, the kernels alternated pass
+    by pass so a noisy minute touches all of them: ms and GFLOP/s, and each kernel's speed
+    against the first one's."""
+    from ..models import dtype_name
+    nets = {k: PagedLlama(model.hf_model, get_linear_kernel(k, model.device, model.dtype))
+            for k in kernels}
+    for rows in rows_list:
+        chains = {k: linear_chain(net, rows) for k, net in nets.items()}
+        times = {k: [] for k in kernels}
+        for k, (once, _) in chains.items():
+            once()                                  # warm-up: first calls allocate
+        for _ in range(max(1, passes)):
+            for k, (once, _) in chains.items():
+                t = time.perf_counter()
+                once()
+                times[k].append((time.perf_counter() - t) * 1000)
+        ms = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{rows:>5} rows {dtype_name(model.dtype):>8}  " + "  ".join(
+            f"{k} {ms[k]:.1f} ms ({chains[k][1] / ms[k] / 1e6:.0f} GF/s, "
+            f"{ms[kernels[0]] / ms[k]:.2f}x)" for k in kernels), flush=True)
 
 
 def dtype_setup(model) -> tuple:

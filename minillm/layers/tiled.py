@@ -1,15 +1,16 @@
 """Rung 14's tiled product: a decode batch of rows times a weight, held in register tiles
-(``csrc/tiled.cpp``; notebook 14 and docs/rungs/14_compiled.md measure it).
+(``csrc/tiled.cpp``; docs/rungs/14_compiled.md measures it).
 
 A decode step at 9-100 rows is a chain of products BLAS libraries are not shaped for: too few
 rows to settle into their blocking, too many for the one-row streamed kernel (gemv.py). The
 kernel here is the textbook one: the weight packed once into panels of 48 output columns
 stored k-major, an 8 x 48 tile of y kept in 24 of AVX-512's 32 registers for the whole sum,
-each panel kept in L2 while every tile of rows passes over it. On the AVX-512 EPYC it ran
-SmolLM2's fp32 chain 1.2-1.4x oneDNN's at 8-96 rows and level with it at 128-512. bf16 runs
-on ``vdpbf16ps`` where the CPU has AVX512-BF16. ``linear_backend="tiled"`` is the gemv kernel
-for up to ``MAX_ROWS`` rows and this one above; where it cannot run (no AVX-512, another dtype,
-no compiler) the engine says so in one line and uses gemv's default.
+each panel kept in L2 while every tile of rows passes over it; bf16 on ``vdpbf16ps`` where the
+CPU has AVX512-BF16. On the AVX-512 EPYC it ran SmolLM2's product chain 1.2-1.5x oneDNN's at
+9-64 rows in fp32 and bf16, 1.04-1.18x at 128-512 (``profile_step --chains onednn,tiled``).
+``linear_backend="tiled"`` is the gemv kernel for up to ``MAX_ROWS`` rows and this one above;
+where it cannot run (no AVX-512, another dtype, no compiler) the engine says so in one line and
+uses gemv's default.
 """
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def why_not(device, dtype: torch.dtype) -> str | None:
     """None where ``tiled`` runs on ``device`` in ``dtype``, else the reason, in a few words."""
     if torch.device(device).type != "cpu":
         return f"it is a CPU kernel (device {torch.device(device).type})"
-    if load() is None:
+    module = load()
+    if module is None:
         return f"it could not be built ({error()})"
-    if not load().has_tiles():
+    if not module.has_tiles():
         return "this CPU has no AVX-512"
     if dtype not in dtypes():
         return f"it takes {', '.join(map(str, dtypes()))} here, not {dtype}"

@@ -133,6 +133,18 @@ def test_profile_floor_counts_every_linear_layer(tiny, capsys):
     assert len({r[3] for r in rows}) == 1 and rows[0][3] in ("fused", "eager")
 
 
+def test_profile_chains_compares_the_kernels_named(tiny, capsys):
+    """``profile_step --chains torch,gemv``: one line per row count, every named kernel on it
+    with its time, and the first kernel's ratio to itself 1.00x."""
+    from minillm.bench import profile_step
+    assert profile_step.main(["--model", "tiny-llama", "--rows", "2,9", "--steps", "2",
+                              "--dtype", "float32", "--chains", "torch,gemv"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " rows " in line]
+    assert [line.split()[0] for line in lines] == ["2", "9"]
+    assert all("torch " in line and "gemv " in line and "(" in line for line in lines)
+    assert all(line.split("torch ")[1].split("x)")[0].endswith("1.00") for line in lines)
+
+
 def test_profile_busy_cores_are_stopped():
     """``make profile --busy N``: N spinning processes while measuring, none left afterwards,
     also when the measurement fails."""
